@@ -1,0 +1,43 @@
+"""meshspeed: the DeepSpeed system, rebuilt cleanly on PyTorch.
+
+Public API only. Heavy submodules are imported lazily so that `import meshspeed` stays
+cheap and `import meshspeed as deepspeed` works in existing training scripts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> (module, attribute)
+_LAZY = {
+    "initialize": ("meshspeed.engine.build", "initialize"),
+    "MeshspeedEngine": ("meshspeed.engine.engine", "MeshspeedEngine"),
+    "DeepSpeedEngine": ("meshspeed.engine.engine", "MeshspeedEngine"),
+    "init_distributed": ("meshspeed.runtime.distributed", "init_distributed"),
+    "ConfigError": ("meshspeed.config.errors", "ConfigError"),
+    "estimate_memory": ("meshspeed.planner.estimate", "estimate_memory"),
+    "zero": ("meshspeed.zero", None),
+    "comm": ("meshspeed.comm", None),
+    "checkpoint": ("meshspeed.checkpoint", None),
+    "accelerator": ("meshspeed.runtime.accelerator", None),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'meshspeed' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
