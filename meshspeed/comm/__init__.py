@@ -1,0 +1,59 @@
+"""Communication: the only package in meshspeed that calls torch.distributed collectives.
+
+    from meshspeed import comm
+    comm.all_reduce(grad, group=dp_group, op="avg")
+    with comm.CommCounter() as counter:
+        ...
+    counter.summary()["all_reduce"]["bytes"]
+
+collectives.py  free functions over an explicit process group
+counter.py      the single counting hook and CommCounter (Note [ring bytes])
+logger.py       CommLogger for the `comms_logger` config block
+debug.py        MESHSPEED_COMM_DEBUG=1 cross-rank check of collective order
+"""
+
+from meshspeed.comm.collectives import (
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_object,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    irecv,
+    is_initialized,
+    isend,
+    recv,
+    reduce_scatter_tensor,
+    send,
+)
+from meshspeed.comm.counter import COMM_OPS, CommCounter, ring_bytes
+from meshspeed.comm.debug import CollectiveMismatchError
+from meshspeed.comm.logger import CommLogger
+
+__all__ = [
+    "COMM_OPS",
+    "CollectiveMismatchError",
+    "CommCounter",
+    "CommLogger",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "get_rank",
+    "get_world_size",
+    "irecv",
+    "is_initialized",
+    "isend",
+    "recv",
+    "reduce_scatter_tensor",
+    "ring_bytes",
+    "send",
+]

@@ -1,0 +1,297 @@
+"""Collectives as free functions over an explicit process group.
+
+The only module in meshspeed that calls torch.distributed collectives. Conventions:
+
+* `group=None` means the default (WORLD) group; library code passes its group.
+* Peer ranks (`src`, `dst`) are ranks *within `group`*, the numbering `get_rank(group)`
+  returns, not global ranks. They coincide for the default group.
+* `op` is "sum", "avg", "max", "min", "prod" or a torch ReduceOp. Gloo has no AVG, so
+  "avg" is a sum followed by division by the group size (in place, on the result), done
+  on `wait()` for async calls; backends with a native AVG (NCCL) use it.
+* With `async_op=True` a call returns a work handle with `wait()`; otherwise None.
+* Every call reports itself once to `counter.record` (bytes per Note [ring bytes] in
+  counter.py, host wall time of the call or, for async calls, of the launch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshspeed.comm import counter, debug
+from meshspeed.comm.counter import ring_bytes
+
+ReduceOpLike = str | dist.ReduceOp
+
+# torch 2.13 renamed the tensor-in/tensor-out forms; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_NAMED_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+# -- group queries ------------------------------------------------------------------------------
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank within `group` (-1 if it is not a member)."""
+    return dist.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    return dist.get_world_size(group)
+
+
+def barrier(group: Any = None) -> None:
+    dist.barrier(group=group)
+
+
+# -- the one place every collective goes through -------------------------------------------------
+
+
+def _issue(
+    op: str,
+    nbytes: int,
+    group: Any,
+    launch: Callable[[], Any],
+    tensor: torch.Tensor | None,
+    same_shape: bool = True,
+) -> Any:
+    """Run `launch()` (the torch.distributed call), reporting it to the counting hook."""
+    if debug.enabled() and op not in ("send", "recv"):
+        debug.check(op, group, tensor, same_shape)
+    if not counter.has_sinks():
+        return launch()
+    start = time.perf_counter()
+    work = launch()
+    counter.record(op, nbytes, time.perf_counter() - start)
+    return work
+
+
+class _ThenWork:
+    """A work handle that runs `then()` once after the underlying work completes."""
+
+    def __init__(self, work: Any, then: Callable[[], None]) -> None:
+        self._work = work
+        self._then: Callable[[], None] | None = then
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        done = self._work.wait(*args, **kwargs)
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return done
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _reduce_op(op: ReduceOpLike, group: Any) -> tuple[Any, bool]:
+    """(the ReduceOp to pass to torch, whether to divide by the group size afterwards)."""
+    if isinstance(op, str):
+        try:
+            op = _NAMED_OPS[op.lower()]
+        except KeyError:
+            raise ValueError(
+                f"unknown reduce op {op!r}; expected one of {sorted(_NAMED_OPS)} or a ReduceOp"
+            ) from None
+    if op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
+        return dist.ReduceOp.SUM, True
+    return op, False
+
+
+def _average_after(work: Any, result: torch.Tensor, group: Any, divide: bool) -> Any:
+    if not divide:
+        return work
+    if not result.is_floating_point() and not result.is_complex():
+        raise TypeError(f"op='avg' needs a floating-point tensor, got {result.dtype}")
+    n = get_world_size(group)
+    if work is None:
+        result.div_(n)
+        return None
+    return _ThenWork(work, lambda: result.div_(n))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _global(group: Any, group_rank: int) -> int:
+    """The global rank of `group_rank` in `group` (what torch.distributed takes)."""
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+# -- collectives --------------------------------------------------------------------------------
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: Any = None, op: ReduceOpLike = "sum", async_op: bool = False
+) -> Any:
+    """Reduce `tensor` in place across `group`."""
+    torch_op, divide = _reduce_op(op, group)
+    nbytes = ring_bytes("all_reduce", _nbytes(tensor), get_world_size(group))
+    work = _issue(
+        "all_reduce",
+        nbytes,
+        group,
+        lambda: dist.all_reduce(tensor, op=torch_op, group=group, async_op=async_op),
+        tensor,
+    )
+    return _average_after(work, tensor, group, divide)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """Concatenate every rank's `input` along dim 0 into `output` (N times larger)."""
+    nbytes = ring_bytes("all_gather", _nbytes(output), get_world_size(group))
+    return _issue(
+        "all_gather",
+        nbytes,
+        group,
+        lambda: _all_gather_single(output, input, group=group, async_op=async_op),
+        input,
+    )
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """Fill `tensor_list[r]` with rank r's `tensor`."""
+    total = sum(_nbytes(t) for t in tensor_list)
+    nbytes = ring_bytes("all_gather", total, get_world_size(group))
+    return _issue(
+        "all_gather",
+        nbytes,
+        group,
+        lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op),
+        tensor,
+    )
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Any = None,
+    op: ReduceOpLike = "sum",
+    async_op: bool = False,
+) -> Any:
+    """Reduce `input` across ranks; rank r keeps the r-th of N equal dim-0 chunks in `output`."""
+    torch_op, divide = _reduce_op(op, group)
+    nbytes = ring_bytes("reduce_scatter", _nbytes(input), get_world_size(group))
+    work = _issue(
+        "reduce_scatter",
+        nbytes,
+        group,
+        lambda: _reduce_scatter_single(output, input, op=torch_op, group=group, async_op=async_op),
+        input,
+    )
+    return _average_after(work, output, group, divide)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Any = None,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Rank r sends dim-0 chunk j of `input` to rank j and receives chunk r of every rank.
+
+    Chunks are equal unless split sizes (rows per rank) are given.
+    """
+    n = get_world_size(group)
+    if input_split_sizes is None:
+        nbytes = ring_bytes("all_to_all", _nbytes(input), n)
+    else:  # exact: everything except the rows this rank sends to itself
+        row_bytes = _nbytes(input[0]) if input.dim() and input.shape[0] else 0
+        nbytes = _nbytes(input) - input_split_sizes[get_rank(group)] * row_bytes
+    uneven = input_split_sizes is not None or output_split_sizes is not None
+    return _issue(
+        "all_to_all",
+        nbytes,
+        group,
+        lambda: dist.all_to_all_single(
+            output,
+            input,
+            output_split_sizes=None if output_split_sizes is None else list(output_split_sizes),
+            input_split_sizes=None if input_split_sizes is None else list(input_split_sizes),
+            group=group,
+            async_op=async_op,
+        ),
+        input,
+        same_shape=not uneven,
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+    """Copy `tensor` of rank `src` (a rank within `group`) to every rank of `group`."""
+    nbytes = ring_bytes("broadcast", _nbytes(tensor), get_world_size(group))
+    return _issue(
+        "broadcast",
+        nbytes,
+        group,
+        lambda: dist.broadcast(tensor, _global(group, src), group=group, async_op=async_op),
+        tensor,
+    )
+
+
+# -- point to point ------------------------------------------------------------------------------
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None) -> None:
+    """Blocking send to `dst`, a rank within `group`."""
+    _issue("send", _nbytes(tensor), group, lambda: dist.send(tensor, _global(group, dst), group), tensor)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Any = None) -> None:
+    """Blocking receive from `src`, a rank within `group`, into `tensor`."""
+    _issue("recv", _nbytes(tensor), group, lambda: dist.recv(tensor, _global(group, src), group), tensor)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None) -> Any:
+    """Non-blocking send to `dst` (a rank within `group`); returns a work handle."""
+    return _issue(
+        "send", _nbytes(tensor), group, lambda: dist.isend(tensor, _global(group, dst), group), tensor
+    )
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Any = None) -> Any:
+    """Non-blocking receive from `src` (a rank within `group`); returns a work handle."""
+    return _issue(
+        "recv", _nbytes(tensor), group, lambda: dist.irecv(tensor, _global(group, src), group), tensor
+    )
+
+
+# -- object collectives (small metadata; not counted) -------------------------------------------
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """[obj of rank 0, obj of rank 1, ...] over `group`; objects travel pickled."""
+    gathered: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
+    """Return rank `src`'s `obj` (src is a rank within `group`) on every rank."""
+    box = [obj if get_rank(group) == src else None]
+    dist.broadcast_object_list(box, src=_global(group, src), group=group)
+    return box[0]

@@ -1,0 +1,18 @@
+"""The `checkpoint` section. Owned by `meshspeed/checkpoint`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshspeed.config.base import CaseInsensitive, StrictModel
+
+
+class CheckpointConfig(StrictModel):
+    """How checkpoints are written and checked."""
+
+    async_save: bool = False  # meshspeed: write in a background thread after snapshotting
+    # What to do when ranks disagree on the checkpoint tag.
+    tag_validation: CaseInsensitive("Ignore", "Warn", "Fail") = "Warn"  # type: ignore[valid-type]
+    load_universal: bool = False  # load a universal (topology-free) checkpoint
+    use_node_local_storage: bool = False  # each node writes to its own disk
+    parallel_write: dict[str, Any] | None = None  # e.g. {"pipeline_stage": true}

@@ -1,0 +1,130 @@
+"""Walk a raw config dict against the models before pydantic sees it.
+
+Pydantic alone would say "Extra inputs are not permitted" for a typo. This walk instead
+names the full dotted path and the closest valid key, renames old spellings
+(`StrictModel.key_aliases`), rejects "auto", and sets aside the DeepSpeed keys meshspeed
+accepts but does not use yet (`known_keys.ACCEPTED_UNUSED`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, get_args
+
+from meshspeed.config.base import StrictModel, closest
+from meshspeed.config.errors import show
+from meshspeed.config.known_keys import ACCEPTED_UNUSED, unused_children
+
+
+@dataclass
+class CheckedKeys:
+    data: dict[str, Any]  # the input with aliases renamed and accepted-unused keys removed
+    unused: list[str] = field(default_factory=list)  # dotted paths of accepted-unused keys
+    problems: list[str] = field(default_factory=list)  # one line per bad key
+
+
+def check_keys(raw: dict[str, Any], model: type[StrictModel]) -> CheckedKeys:
+    """Check every key of `raw`, at any depth, against `model` and its sub-models."""
+    result = CheckedKeys(data={})
+    result.data = _walk(raw, model, "", model, result)
+    return result
+
+
+def submodel(annotation: Any) -> type[StrictModel] | None:
+    """The StrictModel inside a field annotation such as `ZeroConfig | None`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, StrictModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = submodel(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _walk(
+    raw: dict[str, Any],
+    model: type[StrictModel],
+    path: str,
+    root: type[StrictModel],
+    result: CheckedKeys,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # field name -> the key the user wrote for it
+    fields = model.model_fields
+    unused_here = unused_children(path)
+    for key, value in raw.items():
+        full = f"{path}.{key}" if path else str(key)
+        name = model.key_aliases.get(key, key)
+        if name in fields:
+            if name in spelled:
+                if raw[spelled[name]] != value:
+                    result.problems.append(
+                        f"{full}: same setting as '{spelled[name]}' with a different value; "
+                        "give only one of them"
+                    )
+                continue
+            spelled[name] = key
+            sub = submodel(fields[name].annotation)
+            if sub is not None and isinstance(value, dict):
+                out[name] = _walk(value, sub, f"{path}.{name}" if path else name, root, result)
+            elif not _found_auto(value, full, result.problems):
+                out[name] = value  # left out if "auto": that is reported once, here
+        elif key in model.legacy_keys:
+            out[key] = value  # consumed by the model's own before-validator
+        elif key in unused_here:
+            result.unused.append(full)
+        else:
+            result.problems.append(_unknown(full, key, model, unused_here, root))
+    return out
+
+
+def _found_auto(value: Any, path: str, problems: list[str]) -> bool:
+    """Report every "auto" in `value` (HF Trainer-style configs); True if there was one."""
+    if isinstance(value, str) and value == "auto":
+        problems.append(f'{path}: "auto" is not supported; meshspeed needs an explicit value')
+        return True
+    if isinstance(value, dict):
+        items = [(f"{path}.{k}", v) for k, v in value.items()]
+    elif isinstance(value, list):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return False
+    found = False
+    for p, v in items:
+        found = _found_auto(v, p, problems) or found  # keep going: report every "auto"
+    return found
+
+
+def _unknown(
+    full: str, key: Any, model: type[StrictModel], unused_here: set[str], root: type[StrictModel]
+) -> str:
+    if not isinstance(key, str):
+        return f"{full}: keys must be strings (got {show(key)})"
+    here = set(model.model_fields) | set(model.key_aliases) | set(model.legacy_keys) | unused_here
+    guess = closest(key, here)
+    if guess is not None:
+        return f"{full}: unknown key; did you mean '{guess}'?"
+    parents = [p.rsplit(".", 1)[0] for p in _all_paths(root) if p.endswith(f".{key}")]
+    if parents:
+        where = ", ".join(f"'{p}'" for p in parents[:4]) + (", ..." if len(parents) > 4 else "")
+        return f"{full}: unknown key here; '{key}' is a key inside {where}"
+    msg = f"{full}: unknown key (neither meshspeed nor DeepSpeed has this setting)"
+    if len(here) <= 30:
+        msg += f"; valid keys here: {', '.join(sorted(here))}"
+    return msg
+
+
+@cache
+def _all_paths(model: type[StrictModel], prefix: str = "") -> tuple[str, ...]:
+    """Every dotted key path the schema knows, typed fields and accepted-unused keys."""
+    paths: list[str] = []
+    for name, info in model.model_fields.items():
+        full = f"{prefix}.{name}" if prefix else name
+        paths.append(full)
+        sub = submodel(info.annotation)
+        if sub is not None:
+            paths.extend(_all_paths(sub, full))
+    if not prefix:
+        paths.extend(sorted(ACCEPTED_UNUSED))
+    return tuple(paths)

@@ -1,0 +1,111 @@
+"""`load_config`: DeepSpeed JSON (path, dict or None) -> a resolved `MeshspeedConfig`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from meshspeed.config.batch import BATCH_KEYS, resolve_batch
+from meshspeed.config.errors import ConfigError, problems_from_validation_error
+from meshspeed.config.keys import check_keys
+from meshspeed.config.root import MeshspeedConfig
+
+logger = logging.getLogger("meshspeed")
+
+ConfigSource = str | Path | dict[str, Any] | MeshspeedConfig | None
+
+
+def load_config(
+    config: ConfigSource = None, *, dp_world_size: int = 1, dp_source: str = "default"
+) -> MeshspeedConfig:
+    """Validate a DeepSpeed-format config and derive the batch triad.
+
+    `config` is a path to a JSON file, a dict, an existing `MeshspeedConfig` (re-checked
+    against this `dp_world_size`) or None (all defaults). `dp_world_size` is the
+    data-parallel world size and `dp_source` says how it was found, for error messages.
+    Raises `ConfigError` listing every problem, one per line.
+    """
+    if isinstance(config, MeshspeedConfig):
+        return _recheck(config, dp_world_size, dp_source)
+    raw = _read(config)
+    checked = check_keys(raw, MeshspeedConfig)
+    problems = list(checked.problems)
+
+    given = {k: checked.data.pop(k) for k in BATCH_KEYS if k in checked.data}
+    triad: tuple[int, int, int] = (1, 1, 1)  # placeholder so other sections still get checked
+    try:
+        triad = resolve_batch(given, dp_world_size, dp_source)
+    except ConfigError as err:
+        problems.extend(err.problems)
+    try:
+        cfg = MeshspeedConfig.model_validate({**checked.data, **dict(zip(BATCH_KEYS, triad))})
+    except ValidationError as err:
+        problems.extend(problems_from_validation_error(err))
+    if problems:
+        raise ConfigError(problems)
+
+    cfg._batch_given = frozenset(given)
+    cfg._ignored_keys = tuple(checked.unused)
+    if checked.unused:
+        logger.warning(
+            "config keys accepted but not used by meshspeed yet: %s", ", ".join(checked.unused)
+        )
+    return cfg
+
+
+def _recheck(cfg: MeshspeedConfig, dp_world_size: int, dp_source: str) -> MeshspeedConfig:
+    # Re-derive only the batch numbers the user did not give, for this world size.
+    given = cfg.batch_keys_given
+    data = cfg.to_dict()
+    for key in BATCH_KEYS:
+        if key not in given:
+            del data[key]
+    triad = resolve_batch({k: data[k] for k in given}, dp_world_size, dp_source)
+    if triad == tuple(getattr(cfg, k) for k in BATCH_KEYS):
+        return cfg
+    new = cfg.model_copy(update=dict(zip(BATCH_KEYS, triad)))
+    new._batch_given = given
+    return new
+
+
+def _read(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+        try:
+            data = json.loads(text, object_pairs_hook=_no_duplicates)
+        except json.JSONDecodeError as err:
+            raise ConfigError(
+                f"{path}: not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+            ) from None
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the config must be a JSON object {{...}}")
+        return data
+    raise ConfigError(
+        "config must be a path to a JSON file, a dict, a MeshspeedConfig or None "
+        f"(got {type(config).__name__})"
+    )
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of two equal keys silently; a config with both is a mistake.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"key '{key}' appears twice in the same object")
+        out[key] = value
+    return out

@@ -1,0 +1,59 @@
+"""Offload sections: where ZeRO keeps optimizer state and parameters, and NVMe I/O.
+
+Owned by `meshspeed/parallel/offload`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field, model_validator
+
+from meshspeed.config.base import CaseInsensitive, NonNegInt, PositiveInt, StrictModel
+
+Device = CaseInsensitive("none", "cpu", "nvme")
+
+
+class _OffloadTarget(StrictModel):
+    device: Device = "none"
+    nvme_path: str | None = None  # directory on the NVMe device; required for "nvme"
+    pin_memory: bool = False  # page-locked host buffers for async copies
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self):
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError('nvme_path is required when device is "nvme"')
+        return self
+
+
+class OffloadOptimizerConfig(_OffloadTarget):
+    """Keep optimizer state (and run the optimizer step) on CPU, or swap it to NVMe."""
+
+    buffer_count: NonNegInt = 4  # NVMe swap buffers; at least the states per parameter
+    fast_init: bool = False  # faster optimizer-state initialisation when on NVMe
+    ratio: float = Field(1.0, ge=0.0, le=1.0)  # fraction of the step done on CPU
+    # meshspeed: apply the CPU step one iteration late so it overlaps the next
+    # forward/backward (ZeRO-Offload's "delayed parameter update", Ren et al. 2021).
+    delayed_update: bool = False
+
+
+class OffloadParamConfig(_OffloadTarget):
+    """Keep ZeRO-3 parameter shards on CPU or NVMe between uses."""
+
+    buffer_count: NonNegInt = 5  # NVMe read buffers
+    buffer_size: NonNegInt = 100_000_000  # elements per NVMe buffer
+    max_in_cpu: NonNegInt = 1_000_000_000  # elements kept in CPU memory when on NVMe
+
+
+class AioConfig(StrictModel):
+    """Asynchronous I/O settings for NVMe offload."""
+
+    key_aliases: ClassVar[dict[str, str]] = {
+        "intra_op_parallelism": "thread_count"
+    }  # newer DeepSpeed name
+
+    block_size: PositiveInt = 1_048_576  # bytes per I/O request
+    queue_depth: PositiveInt = 8
+    thread_count: PositiveInt = 1  # parallel threads per read/write
+    single_submit: bool = False  # submit requests one by one instead of as a batch
+    overlap_events: bool = True  # do not wait for earlier requests before submitting

@@ -1,0 +1,106 @@
+"""`MeshspeedConfig`: the whole training config, one field per owner's section."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from meshspeed.config.activation import ActivationCheckpointingConfig
+from meshspeed.config.base import Int, NonNegFloat, PositiveFloat, PositiveInt, StrictModel
+from meshspeed.config.checkpoint import CheckpointConfig
+from meshspeed.config.comms import CommDtype, CommsLoggerConfig
+from meshspeed.config.offload import AioConfig
+from meshspeed.config.optim import OptimizerConfig, SchedulerConfig
+from meshspeed.config.precision import BF16Config, FP16Config
+from meshspeed.config.zero import ZeroConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+class MeshspeedConfig(StrictModel):
+    """A resolved, immutable training config (DeepSpeed JSON names and defaults).
+
+    Build it with `load_config`, which also derives the batch triad for the real
+    data-parallel world size and gives did-you-mean errors for unknown keys.
+    `MeshspeedConfig.checked(dict)` checks types only. Frozen: derive a changed copy
+    with `model_copy(update=...)` rather than mutating.
+    """
+
+    key_aliases: ClassVar[dict[str, str]] = {
+        "bfloat16": "bf16"
+    }  # DeepSpeed's older name for the bf16 section
+
+    train_batch_size: PositiveInt = 1  # = micro batch * accumulation steps * DP world size
+    train_micro_batch_size_per_gpu: PositiveInt = 1
+    gradient_accumulation_steps: PositiveInt = 1
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: NonNegFloat = 0.0  # max global grad norm; 0 disables clipping
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    steps_per_print: PositiveInt = 10
+    wall_clock_breakdown: bool = False  # time forward/backward/step
+    dump_state: bool = False  # print the resolved config after initialize
+    seed: Int | None = None
+    prescale_gradients: bool = False  # divide gradients before (not after) reduction
+    gradient_predivide_factor: PositiveFloat = 1.0  # divide by this before, the rest after
+    communication_data_type: CommDtype = None  # gradient reduction dtype; None = training dtype
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+
+    # Set by load_config: which batch keys the user gave (the rest were derived), and
+    # the accepted-but-unused DeepSpeed keys that were set aside.
+    _batch_given: frozenset[str] | None = PrivateAttr(default=None)
+    _ignored_keys: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _one_half_precision(self):
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError(
+                "fp16.enabled and bf16.enabled are both true; enable at most one of them"
+            )
+        return self
+
+    @property
+    def precision_dtype(self) -> torch.dtype:
+        """The dtype parameters and activations train in: bfloat16, float16 or float32."""
+        import torch  # kept local so that reading a config does not import torch
+
+        if self.bf16.enabled:
+            return torch.bfloat16
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.float32
+
+    @property
+    def zero_stage(self) -> int:
+        return self.zero_optimization.stage
+
+    @property
+    def ignored_keys(self) -> tuple[str, ...]:
+        """Dotted paths of DeepSpeed keys that were accepted but are not used."""
+        return self._ignored_keys
+
+    @property
+    def batch_keys_given(self) -> frozenset[str]:
+        """The batch-size keys the user set; the others were derived."""
+        if self._batch_given is not None:
+            return self._batch_given
+        from meshspeed.config.batch import BATCH_KEYS
+
+        return frozenset(self.model_fields_set & set(BATCH_KEYS))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-able dict of every typed field (for saving in checkpoints).
+
+        Accepted-but-unused keys are not included. `load_config(cfg.to_dict())` gives
+        back an equal config.
+        """
+        return self.model_dump(mode="json")

@@ -1,0 +1,74 @@
+"""The `zero_optimization` section: which training state ZeRO shards, and how it moves.
+
+Owned by `meshspeed/parallel/zero`. Stage 0 shards nothing, 1 shards optimizer state,
+2 adds gradients, 3 adds parameters (Rajbhandari et al., "ZeRO", SC 2020).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BeforeValidator, model_validator
+
+from meshspeed.config.base import NonNegInt, StrictModel, whole_number
+from meshspeed.config.offload import OffloadOptimizerConfig, OffloadParamConfig
+
+logger = logging.getLogger("meshspeed")
+
+Stage = Annotated[Literal[0, 1, 2, 3], BeforeValidator(whole_number)]
+
+
+class ZeroConfig(StrictModel):
+    """ZeRO sharding stage, bucket sizes and offload targets. Sizes count elements."""
+
+    # DeepSpeed accepts the stage-3 knobs with and without their "stage3_" prefix.
+    key_aliases: ClassVar[dict[str, str]] = {
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+    legacy_keys: ClassVar[frozenset[str]] = frozenset({"cpu_offload", "cpu_offload_param"})
+
+    stage: Stage = 0
+    contiguous_gradients: bool = True  # copy gradients into one flat buffer as produced
+    overlap_comm: bool = True  # reduce gradients while backward still runs
+    reduce_scatter: bool = True  # reduce-scatter (vs all-reduce) gradients in stages 1-2
+    reduce_bucket_size: NonNegInt = 500_000_000
+    allgather_partitions: bool = True  # all-gather (vs broadcasts) updated shards
+    allgather_bucket_size: NonNegInt = 500_000_000
+    round_robin_gradients: bool = False  # spread gradient copies to CPU across ranks
+    sub_group_size: NonNegInt = 1_000_000_000  # optimizer-step tile for offload/NVMe
+    # stage 3 only
+    stage3_prefetch_bucket_size: NonNegInt = 50_000_000  # elements fetched ahead of use
+    stage3_param_persistence_threshold: NonNegInt = 100_000  # smaller params stay whole
+    stage3_max_live_parameters: NonNegInt = 1_000_000_000  # gathered elements kept resident
+    stage3_max_reuse_distance: NonNegInt = 1_000_000_000  # keep if reused within this many
+    stage3_gather_16bit_weights_on_model_save: bool = False  # consolidate on save_16bit_model
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    offload_param: OffloadParamConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _translate_legacy(cls, data: Any) -> Any:
+        # Old configs said `"cpu_offload": true` / `"cpu_offload_param": true`; both mean
+        # offloading to CPU and give way to an explicit offload_optimizer / offload_param.
+        if not isinstance(data, dict) or not cls.legacy_keys & data.keys():
+            return data
+        data = dict(data)
+        for old, new in (
+            ("cpu_offload", "offload_optimizer"),
+            ("cpu_offload_param", "offload_param"),
+        ):
+            if old not in data:
+                continue
+            flag = data.pop(old)
+            if not isinstance(flag, bool):
+                raise ValueError(f"{old} must be true or false (got {flag!r})")  # noqa: TRY004
+            logger.warning("zero_optimization.%s is deprecated; use %s instead", old, new)
+            if flag and data.get(new) is None:
+                data[new] = {"device": "cpu"}
+        return data

@@ -1,0 +1,150 @@
+"""`meshspeed.initialize`: fixes the order in which the parts of training are composed.
+
+1. process group and device;  2. config (batch triad needs the data-parallel size);
+3. precision: the module is cast to the compute dtype;  4. the sharding strategy
+(stage 0: data parallel; 1-3: ZeRO) takes the module and the data-parallel group;
+5. optimizer over the strategy's master tensors;  6. LR schedule;  7. data loader.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.config import ConfigError, MeshspeedConfig, load_config
+from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
+from meshspeed.optim.precision import build_scaler
+from meshspeed.parallel.data.ddp import DataParallel
+from meshspeed.parallel.zero.strategy import Zero
+from meshspeed.runtime.accelerator import get_accelerator
+from meshspeed.runtime.distributed import describe_world, init_distributed
+
+log = logging.getLogger("meshspeed")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Any = None,
+    model_parameters: Any = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: str | dict | MeshspeedConfig | None = None,
+    config_params: str | dict | None = None,
+    mesh_param: Any = None,
+    dataloader_seed: int = 0,
+):
+    """Returns `(engine, optimizer, dataloader, lr_scheduler)`, as DeepSpeed does."""
+    if model is None:
+        raise ValueError("initialize() needs model=<your nn.Module>")
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    if not comm.is_initialized():
+        init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    accelerator = get_accelerator()
+    device = accelerator.device(_local_rank())
+
+    dp_group = None  # pure data parallelism over the whole world (other axes come later)
+    dp_size = comm.get_world_size(dp_group)
+    cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_world())
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+
+    module = model.to(device=device, dtype=cfg.precision_dtype)
+    strategy = _build_strategy(module, dp_group, cfg)
+    opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy)
+    scheduler = _build_scheduler(cfg, lr_scheduler, opt)
+    loader = None
+    if training_data is not None:
+        from meshspeed.data.loader import distributed_dataloader
+
+        loader = distributed_dataloader(
+            training_data, cfg.train_micro_batch_size_per_gpu, dp_rank=comm.get_rank(dp_group),
+            dp_size=dp_size, seed=dataloader_seed, collate_fn=collate_fn,
+        )
+    comm_logger = _build_comm_logger(cfg)
+    engine = MeshspeedEngine(
+        module=module, config=cfg, strategy=strategy, optimizer=opt, lr_scheduler=scheduler,
+        scaler=build_scaler(cfg.fp16), dp_group=dp_group, dataloader=loader,
+        comm_logger=comm_logger, device=device,
+    )
+    if comm.get_rank() == 0:
+        log.info("meshspeed: ZeRO stage %d, %s, dp=%d, micro batch %d x accumulation %d",
+                 cfg.zero_stage, str(cfg.precision_dtype).replace("torch.", ""), dp_size,
+                 cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    return engine, opt, loader, scheduler
+
+
+def _local_rank() -> int:
+    from meshspeed.runtime.distributed import get_local_rank
+
+    return get_local_rank()
+
+
+def _comm_dtype(cfg: MeshspeedConfig) -> torch.dtype:
+    # gradients are reduced in fp32 unless the config asks for the low-precision dtype
+    name = cfg.communication_data_type
+    return torch.float32 if name is None else _DTYPES[name]
+
+
+def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig):
+    z = cfg.zero_optimization
+    if cfg.zero_stage == 0:
+        return DataParallel(module, group, bucket_numel=z.reduce_bucket_size,
+                            comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm)
+    return Zero(
+        module, group, stage=cfg.zero_stage, bucket_numel=z.reduce_bucket_size,
+        persistence_threshold=z.stage3_param_persistence_threshold,
+        prefetch_numel=z.stage3_prefetch_bucket_size,
+        max_live_numel=z.stage3_max_live_parameters, comm_dtype=_comm_dtype(cfg),
+    )
+
+
+def _build_optimizer(cfg, client, model_parameters, module, strategy):
+    groups = master_groups(model_parameters, module, strategy.master_of)
+    if client is not None:
+        if cfg.optimizer is not None:
+            raise ConfigError(["optimizer: given both in the config and as initialize(optimizer=...); keep one"])
+        return adopt_client_optimizer(client, groups, strategy.master_of)
+    if cfg.optimizer is None:
+        raise ConfigError(["optimizer: missing; add an \"optimizer\" block to the config "
+                           "(e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}) "
+                           "or pass initialize(optimizer=...)"])
+    try:
+        return build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), groups)
+    except (ValueError, TypeError) as err:
+        raise ConfigError([str(err)]) from err
+
+
+def _build_scheduler(cfg, client, optimizer):
+    if client is not None:
+        return client(optimizer) if callable(client) and not hasattr(client, "step") else client
+    if cfg.scheduler is None:
+        return None
+    from meshspeed.optim.schedulers import build_scheduler
+
+    try:
+        return build_scheduler(optimizer, cfg.scheduler.type, dict(cfg.scheduler.params))
+    except (ValueError, TypeError) as err:
+        raise ConfigError([f"scheduler.params: {err}"]) from err
+
+
+def _build_comm_logger(cfg: MeshspeedConfig):
+    if not cfg.comms_logger.enabled:
+        return None
+    from meshspeed.comm import CommLogger
+
+    logger = CommLogger(verbose=cfg.comms_logger.verbose, prof_ops=cfg.comms_logger.prof_ops or None)
+    logger.start()
+    return logger

@@ -1,0 +1,174 @@
+"""The training engine: a thin loop over composed parts.
+
+It owns no parallel logic. `build.py` decides which strategy shards what; the engine calls
+the strategy at five points (micro-step start, after backward, before/after the optimizer
+step, accounting) and keeps the counters DeepSpeed users expect.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.engine.memory import count_bytes, optimizer_state_tensors
+from meshspeed.optim.clip import clip_by_norm_, global_grad_norm
+from meshspeed.optim.precision import unscale_and_check
+
+log = logging.getLogger("meshspeed")
+
+
+class MeshspeedEngine(nn.Module):
+    """What `meshspeed.initialize` returns first. Use it like the model:
+    `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`."""
+
+    def __init__(self, *, module, config, strategy, optimizer, lr_scheduler, scaler, dp_group,
+                 dataloader=None, comm_logger=None, device=None):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.strategy = strategy
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = scaler
+        self.dp_group = dp_group
+        self.training_dataloader = dataloader
+        self.comm_logger = comm_logger
+        self.device = device or torch.device("cpu")
+        self.global_steps = 0  # optimizer steps taken (skipped fp16 steps included, as in DeepSpeed)
+        self.micro_steps = 0  # backward passes
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._micro_started = False
+        self._last_loss: torch.Tensor | None = None
+
+    # -- DeepSpeed-compatible accessors ---------------------------------------------------
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._grad_norm
+
+    @property
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_stage
+
+    def zero_optimization(self) -> bool:
+        return self.config.zero_stage > 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def local_rank(self) -> int:
+        return self.device.index or 0
+
+    @property
+    def dp_world_size(self) -> int:
+        return comm.get_world_size(self.dp_group)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if not self._micro_started:
+            self.strategy.begin_micro_step(self.is_gradient_accumulation_boundary())
+            self._micro_started = True
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate `loss`, averaged over accumulation steps and scaled for fp16."""
+        if not self._micro_started:  # forward ran outside the engine (engine.module(...))
+            self.strategy.begin_micro_step(self.is_gradient_accumulation_boundary())
+        scaled = loss
+        if scale_wrt_gas and self.gradient_accumulation_steps > 1:
+            scaled = scaled / self.gradient_accumulation_steps
+        if self.loss_scaler.scale != 1.0:
+            scaled = scaled * self.loss_scaler.scale
+        scaled.backward(retain_graph=retain_graph)
+        self.strategy.finish_backward()
+        self._micro_started = False
+        self._last_loss = loss.detach()
+        return loss
+
+    def step(self) -> None:
+        """Apply the optimizer at the accumulation boundary; a no-op on other micro-steps."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if not boundary:
+            return
+        masters = self.strategy.prepare_step()
+        grads = [m.grad for m in masters if m.grad is not None]
+        sharded = self.strategy.grads_are_sharded()
+        overflow = unscale_and_check(grads, self.loss_scaler.scale, self.dp_group, sharded) \
+            if self.config.fp16.enabled else False
+        if overflow:
+            self.skipped_steps += 1
+            log.warning("step %d: fp16 gradient overflow; skipping the step, loss scale %g -> %s",
+                        self.global_steps, self.loss_scaler.scale, "(updating)")
+        else:
+            if self.config.gradient_clipping > 0:
+                norm = global_grad_norm(grads, self.dp_group, sharded)
+                clip_by_norm_(grads, self.config.gradient_clipping, norm)
+                self._grad_norm = float(norm)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.finish_step()
+        self.global_steps += 1
+        self._maybe_print()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are managed per step by the engine; kept for API compatibility."""
+
+    # -- reporting --------------------------------------------------------------------------
+    def _maybe_print(self) -> None:
+        every = self.config.steps_per_print
+        if self.global_steps % every or comm.get_rank() != 0:
+            return
+        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
+        log.info("step %d: loss %.4f lr %s", self.global_steps, loss,
+                 ", ".join(f"{lr:.3g}" for lr in self.get_lr()))
+        if self.comm_logger is not None:
+            log.info("communication in the last %d steps:\n%s", every, self.comm_logger.format_table())
+
+    def memory_breakdown(self) -> dict:
+        """Bytes resident on this rank by category (each storage counted once)."""
+        tensors = self.strategy.memory_tensors()
+        tensors.setdefault("optimizer_state", optimizer_state_tensors(self.optimizer))
+        out = count_bytes(tensors)
+        out["total"] = sum(out.values())
+        return out
+
+    def peak_gathered_bytes(self) -> int:
+        return getattr(self.strategy, "peak_gathered_bytes", lambda: 0)()
+
+    # -- nn.Module plumbing -----------------------------------------------------------------
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)

@@ -1,0 +1,86 @@
+"""Optimizers from the DeepSpeed-format config, built over the strategy's master tensors.
+
+Note [Adam means AdamW]
+DeepSpeed's `"type": "Adam"` applies decoupled weight decay unless `adam_w_mode` is false,
+so a config ported from DeepSpeed keeps its meaning: Adam + adam_w_mode (default true) is
+torch's AdamW; Adam + adam_w_mode false is torch's Adam (L2 penalty in the gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from difflib import get_close_matches
+from typing import Any
+
+import torch
+from torch import nn
+
+_COMMON = {"lr", "weight_decay"}
+_ALLOWED = {
+    "Adam": _COMMON | {"betas", "eps", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction", "fused", "foreach"},
+    "AdamW": _COMMON | {"betas", "eps", "amsgrad", "torch_adam", "bias_correction", "fused", "foreach"},
+    "SGD": _COMMON | {"momentum", "dampening", "nesterov", "foreach"},
+}
+_IGNORED = {"torch_adam", "bias_correction", "adam_w_mode"}  # DeepSpeed switches with no torch twin
+
+
+def _check_params(kind: str, params: dict[str, Any]) -> None:
+    for key in params:
+        if key not in _ALLOWED[kind]:
+            hint = get_close_matches(key, sorted(_ALLOWED[kind]), n=1)
+            extra = f"; did you mean '{hint[0]}'?" if hint else f"; allowed: {sorted(_ALLOWED[kind])}"
+            raise ValueError(f"optimizer.params.{key}: unknown parameter for {kind}{extra}")
+
+
+def build_optimizer(kind: str, params: dict[str, Any], groups: list[dict]) -> torch.optim.Optimizer:
+    """`kind` in Adam / AdamW / SGD (canonical spelling); `params` the config's params block."""
+    _check_params(kind, params)
+    kwargs = {k: v for k, v in params.items() if k not in _IGNORED}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    if kind == "SGD":
+        return torch.optim.SGD(groups, **kwargs)
+    decoupled = kind == "AdamW" or params.get("adam_w_mode", True)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    if kind == "AdamW":
+        kwargs.setdefault("weight_decay", 0.01)
+    return cls(groups, **kwargs)
+
+
+def master_groups(
+    model_parameters: Iterable | None, module: nn.Module, master_of: dict[int, nn.Parameter]
+) -> list[dict]:
+    """The user's parameter groups with each parameter replaced by its master tensor.
+
+    Group options (lr, weight_decay, ...) are kept; frozen parameters are left out."""
+    source = list(module.parameters()) if model_parameters is None else list(model_parameters)
+    if source and isinstance(source[0], dict):
+        raw_groups = source
+    else:
+        raw_groups = [{"params": source}]
+    groups = []
+    for group in raw_groups:
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        unknown = [p for p in params if id(p) not in master_of]
+        if unknown:
+            raise ValueError(
+                f"model_parameters holds {len(unknown)} tensor(s) that are not parameters of the "
+                f"model passed to initialize (first has shape {tuple(unknown[0].shape)})"
+            )
+        masters = [master_of[id(p)] for p in params if p.requires_grad]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+    return groups
+
+
+def adopt_client_optimizer(
+    optimizer: torch.optim.Optimizer | Callable, groups: list[dict], master_of: dict[int, nn.Parameter]
+) -> torch.optim.Optimizer:
+    """Use a user-built optimizer (or factory) on the master tensors instead of the params."""
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer(groups)
+    if optimizer.state:
+        raise ValueError("pass the optimizer to initialize() before its first step (its state is not empty)")
+    for group in optimizer.param_groups:
+        group["params"] = [master_of[id(p)] for p in group["params"] if p.requires_grad]
+    return optimizer

@@ -1,0 +1,26 @@
+"""Global gradient norm and clipping over gradients that may be sharded across ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from meshspeed import comm
+
+
+def global_grad_norm(grads: list[torch.Tensor], group=None, sharded: bool = False) -> torch.Tensor:
+    """L2 norm of all gradients; with `sharded`, each rank holds a disjoint slice, and the
+    squares are summed over `group` (one scalar all-reduce)."""
+    if grads:
+        sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
+    else:
+        sq = torch.zeros(())
+    if sharded:
+        comm.all_reduce(sq, group=group)
+    return sq.sqrt()
+
+
+def clip_by_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients in place so their global norm is at most max_norm (torch's formula)."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))

@@ -1,0 +1,56 @@
+"""Mixed precision around the optimizer step: unscale, detect overflow, agree across ranks.
+
+Master weights and the dtype the model computes in are the strategy's business; this file
+only owns the loss scale (fp16) and the decision to skip a step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from meshspeed import comm
+from meshspeed.optim.loss_scaler import DynamicLossScaler, StaticLossScaler, has_inf_or_nan
+
+log = logging.getLogger("meshspeed")
+
+
+class NoScaler:
+    scale = 1.0
+
+    def update(self, overflow: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def build_scaler(fp16_cfg):
+    if not fp16_cfg.enabled:
+        return NoScaler()
+    if fp16_cfg.loss_scale and fp16_cfg.loss_scale > 0:
+        return StaticLossScaler(fp16_cfg.loss_scale)
+    return DynamicLossScaler(
+        initial_scale_power=fp16_cfg.initial_scale_power,
+        loss_scale_window=fp16_cfg.loss_scale_window,
+        hysteresis=fp16_cfg.hysteresis,
+        consecutive_hysteresis=fp16_cfg.consecutive_hysteresis,
+        min_loss_scale=fp16_cfg.min_loss_scale,
+    )
+
+
+def unscale_and_check(grads: list[torch.Tensor], scale: float, group, sharded: bool) -> bool:
+    """Divide gradients by the loss scale; return True when any rank saw inf/NaN.
+
+    With replicated gradients every rank sees the same values, so no collective is needed;
+    with sharded ones, one scalar all-reduce (max) makes every rank skip together."""
+    if scale != 1.0 and grads:
+        torch._foreach_mul_(grads, 1.0 / scale)
+    overflow = torch.tensor(float(has_inf_or_nan(grads)))
+    if sharded:
+        comm.all_reduce(overflow, group=group, op="max")
+    return bool(overflow.item())

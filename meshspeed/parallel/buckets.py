@@ -1,0 +1,32 @@
+"""Grouping a sequence of parameters into buckets bounded by element count."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TypeVar
+
+from torch import nn
+
+T = TypeVar("T")
+
+
+def split_by_numel(items: Iterable[T], limit: int, param=lambda item: item) -> list[list[T]]:
+    """Consecutive runs of `items` whose parameters hold at most `limit` elements each
+    (a single larger parameter forms a bucket of its own)."""
+    buckets: list[list[T]] = []
+    current: list[T] = []
+    size = 0
+    for item in items:
+        n = param(item).numel()
+        if current and size + n > limit:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def trainable(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    return [p for p in params if p.requires_grad]

@@ -1,0 +1,159 @@
+"""Data parallelism (ZeRO stage 0): replicated parameters, gradients averaged by all-reduce.
+
+Gradients live in flat buckets of at most `bucket_numel` elements; each parameter's `.grad`
+is a view into its bucket, so autograd accumulates micro-steps in place and a bucket is
+all-reduced, as one collective, from the gradient hook of its last parameter at the
+accumulation boundary (overlapping the rest of backward when `overlap_comm`). No
+collective runs on the micro-steps in between.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.parallel.buckets import split_by_numel, trainable
+from meshspeed.parallel import registry
+from meshspeed.parallel.readiness import ReadinessTracker
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], comm_dtype: torch.dtype):
+        self.params = params
+        dtype, device = params[0].dtype, params[0].device
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.grads = torch.zeros(total, dtype=dtype, device=device)  # views back each .grad
+        # gradients are reduced in comm_dtype; when it differs from the parameter dtype the
+        # reduced fp32 values are kept here and become the fp32 master gradients
+        self.reduced = None if comm_dtype == dtype else torch.zeros(total, dtype=comm_dtype, device=device)
+        self.work = None
+
+    def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return buffer[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+
+    def bind_grads(self) -> None:
+        """Make each parameter's .grad a zeroed view of this bucket."""
+        self.grads.zero_()
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                p.grad = self.view(self.grads, i)
+
+    def collect(self) -> None:
+        """Copy any gradient that autograd did not accumulate in place into the bucket."""
+        for i, p in enumerate(self.params):
+            view = self.view(self.grads, i)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+
+class DataParallel:
+    """Stage 0. `masters` are the tensors the optimizer steps on (the params in fp32)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group,
+        *,
+        bucket_numel: int,
+        comm_dtype: torch.dtype = torch.float32,
+        overlap_comm: bool = True,
+    ):
+        self.module = module
+        self.group = group
+        self.world = comm.get_world_size(group)
+        self.overlap = overlap_comm
+        params = [p for p in module.parameters()]
+        self.params = params
+        # frozen parameters need no reduction; reverse order ~ the order backward produces grads
+        self.buckets = [
+            _Bucket(ps, comm_dtype) for ps in split_by_numel(reversed(trainable(params)), bucket_numel)
+        ]
+        for b in self.buckets:
+            b.bind_grads()
+        self.mixed = any(p.dtype != torch.float32 for p in params)
+        self.master_of = {
+            id(p): (nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) if self.mixed else p)
+            for p in params
+        }
+        self.tracker = ReadinessTracker([b.params for b in self.buckets], self._launch)
+        self._sync_params()
+        registry.register(params, self)
+
+    def _sync_params(self) -> None:
+        """Start from rank 0's weights so every replica is identical."""
+        for p in self.params:
+            comm.broadcast(p.data, src=0, group=self.group)
+        for p in self.params:
+            if self.mixed:
+                self.master_of[id(p)].data.copy_(p.data)
+
+    # -- backward -------------------------------------------------------------------------
+    def begin_micro_step(self, boundary: bool) -> None:
+        self.tracker.arm(boundary)
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        bucket.collect()
+        buf = bucket.grads if bucket.reduced is None else bucket.reduced.copy_(bucket.grads)
+        bucket.work = comm.all_reduce(buf, group=self.group, async_op=self.overlap)
+
+    def finish_backward(self) -> None:
+        self.tracker.flush()
+
+    # -- step -----------------------------------------------------------------------------
+    def prepare_step(self) -> list[nn.Parameter]:
+        """Wait for reductions, average, and expose gradients on the master tensors."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            reduced = bucket.grads if bucket.reduced is None else bucket.reduced
+            reduced.div_(self.world)
+            for i, p in enumerate(bucket.params):
+                if self.mixed:
+                    self.master_of[id(p)].grad = bucket.view(reduced, i).float()
+        return self.masters()
+
+    def masters(self) -> list[nn.Parameter]:
+        return [self.master_of[id(p)] for p in self.params]
+
+    def grads_are_sharded(self) -> bool:
+        return False
+
+    def finish_step(self) -> None:
+        if self.mixed:
+            for p in self.params:
+                p.data.copy_(self.master_of[id(p)].data)
+                self.master_of[id(p)].grad = None
+        for b in self.buckets:
+            b.bind_grads()
+
+    # -- GatheredParameters: parameters are always whole here ------------------------------
+    def gather_for_user(self, params: list[nn.Parameter]) -> None:
+        return None
+
+    def publish_user_changes(self, params: list[nn.Parameter], src_rank: int) -> None:
+        for p in params:
+            comm.broadcast(p.data, src=src_rank, group=self.group)
+            if self.mixed:
+                self.master_of[id(p)].data.copy_(p.data)
+
+    def release_for_user(self, token: None) -> None:
+        pass
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        masters = [m for m in self.masters() if self.mixed]
+        return {
+            "params": list(self.params),
+            "master_params": masters,
+            "grads": [b.grads for b in self.buckets],
+            "comm_buffers": [b.reduced for b in self.buckets if b.reduced is not None],
+        }

@@ -1,0 +1,78 @@
+"""Which parameters travel together: the communication units of ZeRO.
+
+Stages 1 and 2 group parameters into buckets of at most `reduce_bucket_size` elements, in
+reverse registration order (roughly the order backward produces gradients). Stage 3
+groups by module: every element of an `nn.ModuleList` (a transformer block) is one unit,
+the remaining parameters form the root unit, and small parameters below the persistence
+threshold stay whole in a unit of their own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from meshspeed.parallel.buckets import split_by_numel
+
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+@dataclass
+class UnitPlan:
+    name: str
+    params: NamedParams
+    module: nn.Module | None = None  # the module whose forward brackets the unit's use (stage 3)
+    shard_params: bool = False
+
+
+@dataclass
+class GroupingPlan:
+    units: list[UnitPlan] = field(default_factory=list)
+
+    @property
+    def root(self) -> UnitPlan | None:
+        return next((u for u in self.units if u.name == "root"), None)
+
+
+def bucket_units(module: nn.Module, bucket_numel: int) -> GroupingPlan:
+    """Stages 1-2: consecutive parameters (reverse order) up to `bucket_numel` elements."""
+    named = reversed(list(module.named_parameters()))
+    buckets = split_by_numel(named, bucket_numel, param=lambda item: item[1])
+    return GroupingPlan([UnitPlan(f"bucket{i}", b) for i, b in enumerate(buckets)])
+
+
+def _block_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """Outermost elements of every nn.ModuleList below `module` (transformer blocks)."""
+    blocks = []
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, nn.ModuleList):
+            blocks.extend((f"{path}.{i}", m) for i, m in enumerate(child))
+        else:
+            blocks.extend(_block_modules(child, f"{path}."))
+    return blocks
+
+
+def module_units(module: nn.Module, persistence_threshold: int) -> GroupingPlan:
+    """Stage 3: one sharded unit per block, a sharded root unit, one whole persistent unit."""
+    blocks = _block_modules(module)
+    claims = Counter(id(p) for _, m in blocks for p in m.parameters())
+    shared = {pid for pid, n in claims.items() if n > 1}  # used by several blocks: keep in root
+    owner: dict[int, str] = {}
+    for name, m in blocks:
+        for p in m.parameters():
+            if id(p) not in shared:
+                owner.setdefault(id(p), name)
+    plans = {name: UnitPlan(name, [], m, shard_params=True) for name, m in blocks}
+    root = UnitPlan("root", [], module, shard_params=True)
+    persistent = UnitPlan("persistent", [], None, shard_params=False)
+    for name, p in module.named_parameters():
+        if p.numel() <= persistence_threshold:
+            persistent.params.append((name, p))
+        else:
+            plans.get(owner.get(id(p)), root).params.append((name, p))
+    units = [u for u in plans.values() if u.params]
+    units += [u for u in (root, persistent) if u.params]
+    return GroupingPlan(units)

@@ -1,0 +1,225 @@
+"""One unit of ZeRO communication: the parameters one collective moves together.
+
+A unit owns, for this rank, the slices described by its `UnitLayout` (see
+Note [per-parameter sharding] in layout.py) and performs the three collectives of ZeRO on
+them as free-standing steps:
+
+- `reduce_scatter_grads`: full gradients -> this rank's fp32 gradient shard (averaged);
+- `all_gather_into_params`: this rank's updated shard -> every rank's full parameters;
+- `gather` / `release` (stage 3 only): materialise and drop the full parameters.
+
+Lifecycles are explicit (`ParamState`), and every transition checks where it starts from.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.parallel.zero.layout import ParamLayout, UnitLayout
+
+
+class ParamState(enum.Enum):
+    WHOLE = "whole"  # full parameters resident (stages 0-2, persistent params, gathered stage 3)
+    SHARDED = "sharded"  # only this rank's shard resident; params hold empty placeholders
+
+
+def _rows(flat_numel: int, chunk: int) -> tuple[int, int]:
+    """Split a flat tensor of flat_numel into full rows of `chunk` and a remainder."""
+    full = flat_numel // chunk
+    return full, flat_numel - full * chunk
+
+
+def scatter_into_matrix(matrix: torch.Tensor, layout: ParamLayout, flat: torch.Tensor) -> None:
+    """Write a parameter-shaped flat tensor into its column block of an (N, shard) matrix.
+
+    Padding cells are left as they are (the caller zero-initialises the matrix)."""
+    block = matrix[:, layout.offset : layout.offset + layout.chunk]
+    full, rem = _rows(layout.numel, layout.chunk)
+    if full:
+        block[:full].copy_(flat[: full * layout.chunk].view(full, layout.chunk))
+    if rem:
+        block[full, :rem].copy_(flat[full * layout.chunk :])
+
+
+def gather_from_matrix(matrix: torch.Tensor, layout: ParamLayout, flat: torch.Tensor) -> None:
+    """Inverse of `scatter_into_matrix`: fill a flat parameter from its column block."""
+    block = matrix[:, layout.offset : layout.offset + layout.chunk]
+    full, rem = _rows(layout.numel, layout.chunk)
+    if full:
+        flat[: full * layout.chunk].view(full, layout.chunk).copy_(block[:full])
+    if rem:
+        flat[full * layout.chunk :].copy_(block[full, :rem])
+
+
+class ZeroUnit:
+    """Parameters of one communication unit and this rank's slices of them.
+
+    `shard_params=True` (stage 3) keeps only the compute-dtype shard resident between uses.
+    `masters[i]` is the tensor the optimizer updates for `params[i]`: this rank's valid slice,
+    fp32, either aliasing the parameter itself (fp32 training, nothing duplicated) or a view
+    into a separate fp32 master buffer (bf16/fp16 training).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        params: list[tuple[str, nn.Parameter]],
+        group,
+        *,
+        shard_params: bool,
+        comm_dtype: torch.dtype = torch.float32,
+    ):
+        self.name = name
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.group = group
+        self.world = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.layout = UnitLayout.build([(n, tuple(p.shape)) for n, p in params], self.world)
+        self.shard_params = shard_params
+        self.comm_dtype = comm_dtype
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.trainable = [p.requires_grad for p in self.params]
+        if shard_params:
+            self._own_storage()
+        self.shard = self._local_shard()  # compute-dtype shard, (shard_numel,)
+        self.masters = self._make_masters()
+        self.grad_shard: torch.Tensor | None = None  # fp32 (shard_numel,), owned slices only
+        self.state = ParamState.WHOLE
+        if shard_params:
+            self.release()
+        else:
+            self.shard = None  # whole params are the storage; no separate shard needed
+
+    # -- construction -------------------------------------------------------------------
+    def _local_shard(self) -> torch.Tensor:
+        shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        for lay, p in zip(self.layout.params, self.params):
+            start, n = self.rank * lay.chunk, lay.valid(self.rank)
+            shard[lay.offset : lay.offset + n].copy_(p.detach().reshape(-1)[start : start + n])
+        return shard
+
+    def _make_masters(self) -> list[nn.Parameter]:
+        """fp32 tensors the optimizer steps on, one per trainable parameter."""
+        if self.dtype == torch.float32:
+            source = self.shard if self.shard_params else None
+            self.master_buffer = None
+        else:
+            source = self.shard.float()
+            self.master_buffer = source
+        masters = []
+        for lay, p in zip(self.layout.params, self.params):
+            n = lay.valid(self.rank)
+            if source is not None:
+                view = source[lay.offset : lay.offset + n]
+            else:  # fp32, params stay whole: the owned slice of the parameter itself
+                view = p.detach().view(-1)[self.rank * lay.chunk : self.rank * lay.chunk + n]
+            masters.append(nn.Parameter(view, requires_grad=p.requires_grad))
+        return masters
+
+    # -- stage 3 lifecycle ----------------------------------------------------------------
+    # Note [freeing storage, not swapping tensors]
+    # Released parameters keep their Tensor, shape and identity; only their storage is
+    # resized to zero bytes, and `gather` resizes it back and fills it. Autograd may have
+    # saved views of a parameter during forward (e.g. `weight.t()` inside linear); those
+    # views share the same storage, so they see the re-gathered values in backward and
+    # keep no stale copy alive in between.
+    def _own_storage(self) -> None:
+        for p in self.params:
+            storage = p.untyped_storage()
+            if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
+                p.data = p.detach().clone()
+            elif not p.is_contiguous():
+                p.data = p.detach().contiguous()
+
+    def gather(self) -> None:
+        """Materialise full parameters from every rank's shard (stage 3)."""
+        if self.state is ParamState.WHOLE:
+            return
+        matrix = self._all_gather(self.shard)
+        for lay, p in zip(self.layout.params, self.params):
+            p.untyped_storage().resize_(lay.numel * p.element_size())
+            # `.data` does not share autograd's version counter: refilling the storage must
+            # not look like an in-place edit to tensors saved for backward
+            gather_from_matrix(matrix, lay, p.data.view(-1))
+        self.state = ParamState.WHOLE
+
+    def release(self) -> None:
+        """Drop full parameters, keeping only this rank's shard (stage 3)."""
+        if not self.shard_params:
+            raise RuntimeError(f"unit {self.name}: release() is only valid for sharded params")
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.state = ParamState.SHARDED
+
+    def gathered_bytes(self) -> int:
+        if not self.shard_params or self.state is ParamState.SHARDED:
+            return 0
+        return sum(p.untyped_storage().nbytes() for p in self.params)
+
+    # -- collectives ----------------------------------------------------------------------
+    def _all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.world, self.layout.shard_numel, dtype=shard.dtype, device=shard.device)
+        comm.all_gather_into_tensor(out.view(-1), shard, group=self.group)
+        return out
+
+    def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Average full gradients over the group and return this rank's fp32 shard.
+
+        Missing gradients (unused or frozen parameters) contribute zeros."""
+        matrix = torch.zeros(
+            self.world, self.layout.shard_numel, dtype=self.comm_dtype, device=self.device
+        )
+        for lay, g in zip(self.layout.params, grads):
+            if g is not None:
+                scatter_into_matrix(matrix, lay, g.detach().reshape(-1))
+        out = torch.empty(self.layout.shard_numel, dtype=self.comm_dtype, device=self.device)
+        comm.reduce_scatter_tensor(out, matrix.view(-1), group=self.group)
+        out = out.float() if out.dtype != torch.float32 else out
+        return out.div_(self.world)
+
+    def accumulate_grad_shard(self, shard: torch.Tensor) -> None:
+        if self.grad_shard is None:
+            self.grad_shard = shard
+        else:
+            self.grad_shard.add_(shard)
+
+    def attach_master_grads(self) -> None:
+        """Point each master's .grad at its slice of the reduced gradient shard."""
+        for lay, m in zip(self.layout.params, self.masters):
+            if m.requires_grad and self.grad_shard is not None:
+                m.grad = self.grad_shard[lay.offset : lay.offset + lay.valid(self.rank)]
+
+    def drop_grads(self) -> None:
+        self.grad_shard = None
+        for m in self.masters:
+            m.grad = None
+
+    def refresh_from_params(self) -> None:
+        """Whole parameters were changed from outside (GatheredParameters with a modifier):
+        rebuild this rank's shard and fp32 master slices from them."""
+        fresh = self._local_shard()
+        if self.shard is not None:
+            self.shard.copy_(fresh)
+        if self.master_buffer is not None:
+            self.master_buffer.copy_(fresh)
+
+    def publish_masters(self) -> None:
+        """After the optimizer step: propagate updated master slices to the parameters."""
+        if self.shard_params:
+            if self.master_buffer is not None:
+                self.shard.copy_(self.master_buffer)  # fp32 master -> compute-dtype shard
+            if self.state is ParamState.WHOLE:  # a gathered unit would now be stale
+                self.release()
+            return
+        send = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        for lay, m in zip(self.layout.params, self.masters):
+            send[lay.offset : lay.offset + m.numel()].copy_(m.detach())
+        matrix = self._all_gather(send)
+        for lay, p in zip(self.layout.params, self.params):
+            gather_from_matrix(matrix, lay, p.detach().view(-1))

@@ -1,0 +1,122 @@
+"""`meshspeed estimate`: memory per device for each ZeRO stage.
+
+    meshspeed estimate --params 7.5e9 --dp 64           # breakdown for stages 0-3
+    meshspeed estimate --params 7.5B                    # the paper's Table 1 over N_d
+    meshspeed estimate --layers 32 --d-model 4096 --heads 32 --vocab 32000 \\
+        --seq-len 4096 --micro-batch 1 --dp 8 --stage 3 # parameters counted from the shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshspeed.planner.activations import ModelShape, param_count
+from meshspeed.planner.estimate import (
+    estimate_memory,
+    estimate_table,
+    format_report,
+    format_table,
+    valid_stages,
+)
+
+_SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_SHAPE_ARGS = ("layers", "d_model", "heads", "vocab")
+
+
+def _count(text: str) -> float:
+    """A number such as 7.5e9, 7.5B, 350M or 1T."""
+    unit = text[-1:].upper()
+    try:
+        return float(text[:-1]) * _SUFFIX[unit] if unit in _SUFFIX else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 7.5e9 or 7.5B)") from None
+
+
+def _bytes(text: str) -> float:
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=_count,
+                        help="parameter count (7.5e9, 7.5B); default: counted from the shape")
+    parser.add_argument("--dp", type=int,
+                        help="data-parallel degree N_d; omit for the paper's Table 1 layout")
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
+                        help="one ZeRO stage (default: every stage the offload settings allow)")
+    parser.add_argument("--param-bytes", type=_bytes, default=2, help="default 2 (bf16/fp16)")
+    parser.add_argument("--grad-bytes", type=_bytes, default=2, help="default 2")
+    parser.add_argument("--optimizer-bytes", type=_bytes, default=12,
+                        help="K, default 12 (fp32 master weights + Adam moments)")
+    parser.add_argument("--comm-bytes", type=_bytes, help="gradient bucket dtype bytes")
+    parser.add_argument("--offload-optimizer", choices=("cpu", "nvme"))
+    parser.add_argument("--offload-param", choices=("cpu", "nvme"), help="stage 3 only")
+    parser.add_argument("--reduce-bucket-size", type=_count, default=5e8)
+    parser.add_argument("--prefetch-bucket-size", type=_count, default=5e7)
+    parser.add_argument("--max-live-parameters", type=_count, default=1e9)
+    parser.add_argument("--no-overlap-comm", action="store_true",
+                        help="one gradient bucket instead of two")
+    shape = parser.add_argument_group("activations (a Llama-like decoder)")
+    shape.add_argument("--layers", type=int)
+    shape.add_argument("--d-model", type=int)
+    shape.add_argument("--heads", type=int)
+    shape.add_argument("--kv-heads", type=int, help="default: --heads")
+    shape.add_argument("--ffn-hidden", type=int, help="default: Llama's 8/3 d_model rule")
+    shape.add_argument("--vocab", type=int)
+    shape.add_argument("--seq-len", type=int)
+    shape.add_argument("--micro-batch", type=int, default=1)
+    shape.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _shape(args: argparse.Namespace) -> ModelShape | None:
+    given = [getattr(args, name) is not None for name in _SHAPE_ARGS]
+    if not any(given):
+        return None
+    if not all(given) or args.seq_len is None:
+        raise ValueError("activations need --layers, --d-model, --heads, --vocab and --seq-len")
+    return ModelShape(args.layers, args.d_model, args.heads, args.vocab,
+                      ffn_hidden=args.ffn_hidden, n_kv_head=args.kv_heads)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        shape = _shape(args)
+        num_params = args.params if args.params is not None else (
+            param_count(shape) if shape is not None else None)
+        if num_params is None:
+            raise ValueError("give --params, or a model shape to count them from")
+        stages = (args.stage,) if args.stage is not None else valid_stages(
+            args.offload_optimizer, args.offload_param)
+        kwargs = {
+            "param_bytes": args.param_bytes,
+            "grad_bytes": args.grad_bytes,
+            "optimizer_bytes": args.optimizer_bytes,
+            "comm_dtype_bytes": args.comm_bytes,
+            "offload_optimizer": args.offload_optimizer,
+            "offload_param": args.offload_param,
+            "model_shape": shape,
+            "micro_batch_size": args.micro_batch,
+            "seq_len": args.seq_len,
+            "activation_checkpointing": args.activation_checkpointing,
+            "overlap_comm": not args.no_overlap_comm,
+            "reduce_bucket_size": int(args.reduce_bucket_size),
+            "prefetch_bucket_size": int(args.prefetch_bucket_size),
+            "max_live_parameters": int(args.max_live_parameters),
+        }
+        if args.dp is None:
+            rows = estimate_table(num_params, stages=stages, **kwargs)
+            text = format_table(rows)
+            if shape is not None:
+                text += "\n\n" + format_table(rows, key="tiers.device")
+            payload = rows
+        else:
+            payload = [estimate_memory(num_params, args.dp, s, **kwargs) for s in stages]
+            text = format_report(payload)
+    except ValueError as err:
+        print(f"meshspeed estimate: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(payload, indent=2) if args.json else text)
+    return 0
