@@ -161,6 +161,28 @@ class MeshspeedEngine(nn.Module):
     def peak_gathered_bytes(self) -> int:
         return getattr(self.strategy, "peak_gathered_bytes", lambda: 0)()
 
+    # -- checkpoints (meshspeed.checkpoint does the work) -------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        from meshspeed.checkpoint.engine_api import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state,
+                               save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        from meshspeed.checkpoint.engine_api import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
+        from meshspeed.checkpoint.engine_api import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename)
+
     # -- nn.Module plumbing -----------------------------------------------------------------
     def train(self, mode: bool = True):
         self.module.train(mode)

@@ -1,10 +1,10 @@
 """`run_distributed`: run a function on N gloo ranks and get each rank's return value.
 
 Pools of persistent rank processes are kept per world size and reused by later calls,
-because starting ranks costs about a second and a suite makes hundreds of calls. At most
-`MAX_POOLS` pools live at once (least recently used closed first): a worker holds about
-100 MB of private memory (torch pages are shared with the forkserver), so three pools,
-e.g. world sizes 1, 2 and 4, cost under 1 GB. MESHSPEED_TEST_MAX_POOLS overrides it.
+because a suite makes hundreds of calls. Starting a pool is cheap once the forkserver
+runs (~0.1 s, see Note [why forkserver] in pool.py), but each worker holds ~100 MB of
+private memory, so at most `MAX_POOLS` pools live at once (least recently used closed
+first); MESHSPEED_TEST_MAX_POOLS overrides it.
 
 What a call may rely on, on every rank:
   * the default process group is initialized (gloo, `world_size` ranks, on 127.0.0.1)
@@ -32,7 +32,7 @@ from typing import Any
 
 from meshspeed.testing.pool import WorkerPool
 
-MAX_POOLS = int(os.environ.get("MESHSPEED_TEST_MAX_POOLS", "3"))
+MAX_POOLS = int(os.environ.get("MESHSPEED_TEST_MAX_POOLS", "2"))
 
 _pools: OrderedDict[int, WorkerPool] = OrderedDict()  # world size -> pool, LRU order
 _lock = threading.Lock()

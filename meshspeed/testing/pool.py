@@ -2,11 +2,13 @@
 
 Note [why forkserver]: a worker must not be a fork of the test process (pytest may hold
 threads and arbitrary state), so workers are started from a clean interpreter. Plain
-`spawn` re-imports torch in every worker, which costs ~1 s each and is paid again
-whenever a pool is replaced after a failure. The `forkserver` method starts one clean
-server process that imports torch once; each worker is then a cheap fork of that
-server. Set MESHSPEED_TEST_START_METHOD=spawn to use spawn instead (and where
-forkserver is unavailable it is the default).
+`spawn` re-imports torch (and DTensor, pytest, ...) in every worker: a pool of 4 took
+3-4 s on a 2-core machine, paid again whenever a pool is replaced after a failure or
+for another world size. The `forkserver` method starts one clean server process that
+imports those once (~1.5 s, once per session); each worker is then a fork of that
+server, and a pool of 4 is ready and through its first call in ~0.2 s. Set
+MESHSPEED_TEST_START_METHOD=spawn to use spawn instead (the default where forkserver is
+unavailable).
 """
 
 from __future__ import annotations
@@ -45,9 +47,17 @@ def _context() -> mp.context.BaseContext:
         method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        # Imported once in the server instead of in every worker. pytest is worth it under
-        # pytest: every test module imports it (~0.3 s). Ignored if the server already runs.
-        preload = ["torch", "torch.distributed", "meshspeed.testing._worker"]
+        # Imported once in the server instead of in every worker (seconds per pool on a
+        # small machine). torch.distributed.tensor (DTensor, DeviceMesh; ~0.4 s) is pulled
+        # in by most parallel code and even by torch.testing.assert_close; pytest (~0.3 s)
+        # by every test module. Ignored if the server already runs.
+        preload = [
+            "torch",
+            "torch.distributed",
+            "torch.distributed.tensor",
+            "torch.distributed.device_mesh",
+            "meshspeed.testing._worker",
+        ]
         if "pytest" in sys.modules:
             preload.append("pytest")
         ctx.set_forkserver_preload(preload)

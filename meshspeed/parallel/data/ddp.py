@@ -16,6 +16,7 @@ from meshspeed import comm
 from meshspeed.parallel.buckets import split_by_numel, trainable
 from meshspeed.parallel import registry
 from meshspeed.parallel.readiness import ReadinessTracker
+from meshspeed.parallel.slices import OwnedSlice
 
 
 class _Bucket:
@@ -135,6 +136,20 @@ class DataParallel:
                 self.master_of[id(p)].grad = None
         for b in self.buckets:
             b.bind_grads()
+
+    # -- checkpoint contract ----------------------------------------------------------------
+    def owned_slices(self) -> list[OwnedSlice]:
+        writer = comm.get_rank(self.group) == 0  # replicas: the first rank writes
+        return [
+            OwnedSlice(name, tuple(p.shape), p.dtype, 0, p.numel(), self.master_of[id(p)].view(-1),
+                       self.master_of[id(p)], writer, p.requires_grad)
+            for name, p in self.module.named_parameters()
+        ]
+
+    def sync_params_from_masters(self) -> None:
+        if self.mixed:
+            for p in self.params:
+                p.data.copy_(self.master_of[id(p)].data)
 
     # -- GatheredParameters: parameters are always whole here ------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> None:

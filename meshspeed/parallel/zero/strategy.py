@@ -15,6 +15,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.readiness import ReadinessTracker
+from meshspeed.parallel.slices import OwnedSlice
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units
 from meshspeed.parallel.zero.prefetch import Fetcher, Pass, attach_pre_backward
 from meshspeed.parallel.zero.stages import STAGES
@@ -142,6 +143,21 @@ class Zero:
         for unit in self.units:
             unit.publish_masters()
             unit.drop_grads()
+
+    # -- checkpoint contract ----------------------------------------------------------------
+    def owned_slices(self) -> list[OwnedSlice]:
+        out = []
+        for unit in self.units:
+            for name, lay, p, m in zip(unit.names, unit.layout.params, unit.params, unit.masters):
+                start = unit.rank * lay.chunk
+                out.append(OwnedSlice(name, lay.shape, unit.dtype, min(start, lay.numel),
+                                      min(start, lay.numel) + m.numel(), m, m, True, p.requires_grad))
+        return out
+
+    def sync_params_from_masters(self) -> None:
+        """Masters were overwritten (checkpoint load): rebuild parameters from them."""
+        for unit in self.units:
+            unit.publish_masters()
 
     # -- GatheredParameters ----------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> list[ZeroUnit]:
