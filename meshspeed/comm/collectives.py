@@ -258,25 +258,45 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None) -> None:
     """Blocking send to `dst`, a rank within `group`."""
-    _issue("send", _nbytes(tensor), group, lambda: dist.send(tensor, _global(group, dst), group), tensor)
+    _issue(
+        "send",
+        _nbytes(tensor),
+        group,
+        lambda: dist.send(tensor, _global(group, dst), group),
+        tensor,
+    )
 
 
 def recv(tensor: torch.Tensor, src: int, group: Any = None) -> None:
     """Blocking receive from `src`, a rank within `group`, into `tensor`."""
-    _issue("recv", _nbytes(tensor), group, lambda: dist.recv(tensor, _global(group, src), group), tensor)
+    _issue(
+        "recv",
+        _nbytes(tensor),
+        group,
+        lambda: dist.recv(tensor, _global(group, src), group),
+        tensor,
+    )
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None) -> Any:
     """Non-blocking send to `dst` (a rank within `group`); returns a work handle."""
     return _issue(
-        "send", _nbytes(tensor), group, lambda: dist.isend(tensor, _global(group, dst), group), tensor
+        "send",
+        _nbytes(tensor),
+        group,
+        lambda: dist.isend(tensor, _global(group, dst), group),
+        tensor,
     )
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Any = None) -> Any:
     """Non-blocking receive from `src` (a rank within `group`); returns a work handle."""
     return _issue(
-        "recv", _nbytes(tensor), group, lambda: dist.irecv(tensor, _global(group, src), group), tensor
+        "recv",
+        _nbytes(tensor),
+        group,
+        lambda: dist.irecv(tensor, _global(group, src), group),
+        tensor,
     )
 
 

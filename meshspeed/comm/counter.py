@@ -27,6 +27,8 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+from typing_extensions import Self
+
 # Every op name a summary reports, in display order.
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
 
@@ -106,7 +108,7 @@ class CommCounter:
         self._calls = dict.fromkeys(COMM_OPS, 0)
         self._bytes = dict.fromkeys(COMM_OPS, 0)
 
-    def __enter__(self) -> CommCounter:
+    def __enter__(self) -> Self:
         attach(self)
         return self
 

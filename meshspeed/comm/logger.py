@@ -13,6 +13,8 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from typing_extensions import Self
+
 from meshspeed.comm import counter
 from meshspeed.comm.counter import COMM_OPS
 
@@ -63,7 +65,11 @@ class CommLogger:
 
     @classmethod
     def from_config(cls, block: Mapping[str, Any] | Any) -> CommLogger:
-        """Build from a `comms_logger` block given as a mapping or an object with attributes."""
+        """Build from a `comms_logger` block (a mapping or an object with attributes).
+
+        As in DeepSpeed, `prof_all` (default True) records every op and `prof_ops` only
+        applies when it is False.
+        """
         if isinstance(block, Mapping):
             get = block.get
         else:
@@ -74,12 +80,12 @@ class CommLogger:
         return cls(
             enabled=bool(get("enabled", False)),
             verbose=bool(get("verbose", False)),
-            prof_ops=get("prof_ops", None),
+            prof_ops=None if get("prof_all", True) else get("prof_ops", None),
         )
 
     # -- recording ----------------------------------------------------------------------------
 
-    def start(self) -> CommLogger:
+    def start(self) -> Self:
         if self.enabled:
             counter.attach(self)
         return self
@@ -87,7 +93,7 @@ class CommLogger:
     def stop(self) -> None:
         counter.detach(self)
 
-    def __enter__(self) -> CommLogger:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -122,7 +128,9 @@ class CommLogger:
         rows = [(op, s) for op, s in self.summary().items() if s["calls"]]
         if not rows:
             return "comm: no collectives recorded"
-        header = f"{'comm op':<16}{'calls':>8}{'bytes':>14}{'avg size':>12}{'time ms':>12}{'avg ms':>10}"
+        header = (
+            f"{'comm op':<16}{'calls':>8}{'bytes':>14}{'avg size':>12}{'time ms':>12}{'avg ms':>10}"
+        )
         lines = [header, "-" * len(header)]
         total = {"calls": 0, "bytes": 0, "seconds": 0.0}
         for op, s in rows:

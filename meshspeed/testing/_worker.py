@@ -4,7 +4,7 @@ Wire protocol, one pickled tuple per message over a private pipe:
 
     parent -> worker   ("call", call_id, payload, env, sys_path)   payload = pickle((fn, args, kwargs))
                        ("stop",)
-    worker -> parent   ("ready", pid, stacks_path) | ("startup_error", traceback_text)
+    worker -> parent   ("ready", pid) | ("startup_error", traceback_text)
                        ("ok", call_id, pickled_result, recycle)
                        ("error", call_id, failure_fields, recycle)
 
@@ -22,7 +22,6 @@ import pickle
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -50,12 +49,12 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def worker_main(rank: int, world_size: int, port: int, parent_pid: int, conn: Any) -> None:
+def worker_main(
+    rank: int, world_size: int, port: int, parent_pid: int, stacks_path: str, conn: Any
+) -> None:
     """Entry point of a rank process: join the gloo group, then serve calls until told to stop."""
     _watch_parent(parent_pid)
-    stacks = tempfile.NamedTemporaryFile(
-        mode="w", prefix=f"meshspeed-rank{rank}-", suffix=".stacks", delete=False
-    )
+    stacks = open(stacks_path, "w")  # noqa: SIM115 - open for the process's lifetime
     if hasattr(signal, "SIGUSR1"):
         # The parent sends SIGUSR1 to a hung rank to learn where it is stuck.
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -66,16 +65,15 @@ def worker_main(rank: int, world_size: int, port: int, parent_pid: int, conn: An
         store = dist.TCPStore(MASTER_ADDR, port, is_master=False, timeout=_STORE_TIMEOUT)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         dist.barrier()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         conn.send_bytes(pickle.dumps(("startup_error", traceback.format_exc())))
         return
-    conn.send_bytes(pickle.dumps(("ready", os.getpid(), stacks.name)))
+    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
     base_cwd = os.getcwd()
     try:
         _serve(conn, base_env, base_cwd)
     finally:
         stacks.close()
-        os.unlink(stacks.name)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -147,7 +145,7 @@ def _error_reply(call_id: int, exc: BaseException) -> bytes:
     }
     try:
         fields["exception"] = pickle.dumps(exc.with_traceback(None))
-    except Exception:  # noqa: BLE001 - the text above is enough
+    except Exception:  # noqa: BLE001, S110 - the traceback text is enough
         pass
     return pickle.dumps(("error", call_id, fields, not dist.is_initialized()))
 

@@ -62,7 +62,7 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     try:
         payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
-    except Exception as exc:  # noqa: BLE001 - pickling raises many exception types
+    except Exception as exc:  # pickling raises many exception types
         raise TypeError(
             f"run_distributed could not pickle {getattr(fn, '__qualname__', fn)!r} or its "
             f"arguments: {exc}. The function must be defined at module level in an "

@@ -18,6 +18,7 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import time
 from multiprocessing.connection import wait
 from typing import Any
@@ -74,29 +75,37 @@ class WorkerPool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.closed = False
+        self.pids: list[int] = []
         self._calls = 0
-        # The rendezvous store lives here, so no port has to be guessed and then raced for.
-        self._store = dist.TCPStore(
-            _worker.MASTER_ADDR, 0, is_master=True, wait_for_workers=False
-        )
-        ctx = _context()
         self._procs: list[Any] = []
         self._conns: list[Any] = []
-        for rank in range(world_size):
+        self._stack_files: list[str] = []
+        # The rendezvous store lives here, so no port has to be guessed and then raced for.
+        self._store = dist.TCPStore(_worker.MASTER_ADDR, 0, is_master=True, wait_for_workers=False)
+        try:
+            self._start(_context())
+            self._await_ready()
+        except BaseException:  # including an interrupt while starting: leave nothing behind
+            self.kill()
+            raise
+
+    def _start(self, ctx: mp.context.BaseContext) -> None:
+        for rank in range(self.world_size):
+            # Where the rank writes its stacks when asked (SIGUSR1); created and removed here.
+            fd, stacks_path = tempfile.mkstemp(prefix=f"meshspeed-rank{rank}-", suffix=".stacks")
+            os.close(fd)
+            self._stack_files.append(stacks_path)
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker.worker_main,
-                args=(rank, world_size, self._store.port, os.getpid(), child_end),
-                name=f"meshspeed-rank{rank}-of-{world_size}",
+                args=(rank, self.world_size, self._store.port, os.getpid(), stacks_path, child_end),
+                name=f"meshspeed-rank{rank}-of-{self.world_size}",
                 daemon=False,  # ranks may start their own children (e.g. data loaders)
             )
+            self._conns.append(parent_end)
             proc.start()
             child_end.close()
             self._procs.append(proc)
-            self._conns.append(parent_end)
-        self.pids: list[int] = []
-        self._stack_files: list[str] = []
-        self._await_ready()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -104,7 +113,6 @@ class WorkerPool:
         replies = self._collect(list(range(self.world_size)), STARTUP_TIMEOUT_S, grace=None)
         failures, pending = replies["failures"], replies["pending"]
         if failures or pending:
-            self.kill()
             detail = format_failures(failures) if failures else ""
             raise DistributedTestError(
                 f"starting {self.world_size} gloo ranks failed"
@@ -113,10 +121,7 @@ class WorkerPool:
                 failures,
                 pending,
             )
-        for rank in range(self.world_size):
-            _, pid, stacks_path = replies["messages"][rank]
-            self.pids.append(pid)
-            self._stack_files.append(stacks_path)
+        self.pids = [replies["messages"][rank][1] for rank in range(self.world_size)]
 
     def alive(self) -> bool:
         return not self.closed and all(p.is_alive() for p in self._procs)
@@ -162,7 +167,10 @@ class WorkerPool:
         call_id = self._calls
         message = pickle.dumps(("call", call_id, payload, dict(os.environ), list(sys.path)))
         for conn in self._conns:
-            conn.send_bytes(message)
+            try:
+                conn.send_bytes(message)
+            except OSError:  # the rank died since the last call; _collect reports how
+                pass
         replies = self._collect(list(range(self.world_size)), timeout, grace=FAILURE_GRACE_S)
         failures, pending = replies["failures"], replies["pending"]
         results: dict[int, Any] = {}
@@ -246,7 +254,7 @@ class WorkerPool:
 
     def _dump_stacks(self, ranks: list[int]) -> str:
         """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) before killing."""
-        if not hasattr(signal, "SIGUSR1") or not self._stack_files:
+        if not hasattr(signal, "SIGUSR1"):
             return ""
         for rank in ranks:
             try:
@@ -272,9 +280,7 @@ def _failure_from_fields(rank: int, fields: dict[str, Any]) -> RankFailure:
             exception = pickle.loads(fields["exception"])
         except Exception:  # noqa: BLE001 - the traceback text is the primary report
             exception = None
-    return RankFailure(
-        rank, fields["exc_type"], fields["message"], fields["traceback"], exception
-    )
+    return RankFailure(rank, fields["exc_type"], fields["message"], fields["traceback"], exception)
 
 
 def _failure_error(

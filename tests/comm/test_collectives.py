@@ -14,9 +14,11 @@ from meshspeed.testing import run_distributed, world_sizes
 def _ranked(shape, dtype=torch.float32):
     """A tensor whose values identify the rank: rank r holds r + 1 + arange."""
     rank = comm.get_rank()
-    return (torch.arange(torch.Size(shape).numel(), dtype=torch.float32) + rank + 1).reshape(
-        shape
-    ).to(dtype)
+    return (
+        (torch.arange(torch.Size(shape).numel(), dtype=torch.float32) + rank + 1)
+        .reshape(shape)
+        .to(dtype)
+    )
 
 
 # -- rank bodies --------------------------------------------------------------------------------
@@ -123,9 +125,7 @@ def _all_to_all_uneven_body():
     out_splits = [rank + 1] * n
     inp = torch.cat([torch.full((j + 1, 2), 100.0 * rank + j) for j in range(n)])
     out = torch.empty(sum(out_splits), 2)
-    comm.all_to_all_single(
-        out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits
-    )
+    comm.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
     expected = torch.cat([torch.full((rank + 1, 2), 100.0 * j + rank) for j in range(n)])
     assert_close(out, expected)
     return True

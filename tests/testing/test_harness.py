@@ -15,12 +15,11 @@ from meshspeed.testing import (
     DistributedTestError,
     DistributedTimeoutError,
     close_pools,
+    harness,
     pool_pids,
     run_distributed,
     world_sizes,
 )
-from meshspeed.testing import harness
-
 
 # -- rank bodies (module level, so they travel pickled by reference) --------------------------
 
