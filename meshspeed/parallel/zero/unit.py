@@ -169,9 +169,12 @@ class ZeroUnit:
         return out
 
     def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """Average full gradients over the group and return this rank's fp32 shard.
+        """Average full gradients over the group and return this rank's shard.
 
-        Missing gradients (unused or frozen parameters) contribute zeros."""
+        The reduction runs in `comm_dtype` (fp32 unless configured otherwise); the shard
+        is kept in the parameters' dtype, so bf16 training holds 2 bytes per owned
+        gradient element, as in the paper's accounting. Missing gradients (unused or
+        frozen parameters) contribute zeros."""
         matrix = torch.zeros(
             self.world, self.layout.shard_numel, dtype=self.comm_dtype, device=self.device
         )
@@ -180,8 +183,7 @@ class ZeroUnit:
                 scatter_into_matrix(matrix, lay, g.detach().reshape(-1))
         out = torch.empty(self.layout.shard_numel, dtype=self.comm_dtype, device=self.device)
         comm.reduce_scatter_tensor(out, matrix.view(-1), group=self.group)
-        out = out.float() if out.dtype != torch.float32 else out
-        return out.div_(self.world)
+        return out.div_(self.world).to(self.dtype)
 
     def accumulate_grad_shard(self, shard: torch.Tensor) -> None:
         if self.grad_shard is None:
@@ -190,10 +192,13 @@ class ZeroUnit:
             self.grad_shard.add_(shard)
 
     def attach_master_grads(self) -> None:
-        """Point each master's .grad at its slice of the reduced gradient shard."""
+        """Point each master's .grad at its slice of the reduced gradient shard (fp32)."""
+        if self.grad_shard is None:
+            return
+        grads = self.grad_shard.float()  # a temporary only when training in bf16/fp16
         for lay, m in zip(self.layout.params, self.masters):
-            if m.requires_grad and self.grad_shard is not None:
-                m.grad = self.grad_shard[lay.offset : lay.offset + lay.valid(self.rank)]
+            if m.requires_grad:
+                m.grad = grads[lay.offset : lay.offset + lay.valid(self.rank)]
 
     def drop_grads(self) -> None:
         self.grad_shard = None
