@@ -243,3 +243,20 @@ def test_at_most_max_pools_stay_alive(monkeypatch):
 def test_world_size_must_be_positive():
     with pytest.raises(ValueError):
         run_distributed(_pid, 0)
+
+
+class _TwoArgError(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")  # unpickling calls _TwoArgError("a/b"): TypeError
+
+
+def _raise_unrebuildable():
+    raise _TwoArgError("left", "right")
+
+
+def test_exceptions_that_cannot_be_rebuilt_still_report_their_text():
+    with pytest.raises(DistributedTestError, match="left/right") as info:
+        run_distributed(_raise_unrebuildable, 2)
+    failure = info.value.failures[0]
+    assert failure.exception is None
+    assert failure.exc_type.endswith("_TwoArgError") and "Traceback" in failure.traceback
