@@ -120,8 +120,7 @@ class MeshspeedEngine(nn.Module):
             if self.config.fp16.enabled else False
         if overflow:
             self.skipped_steps += 1
-            log.warning("step %d: fp16 gradient overflow; skipping the step, loss scale %g -> %s",
-                        self.global_steps, self.loss_scaler.scale, "(updating)")
+            old_scale = self.loss_scaler.scale
         else:
             if self.config.gradient_clipping > 0:
                 norm = global_grad_norm(grads, self.dp_group, sharded)
@@ -131,6 +130,10 @@ class MeshspeedEngine(nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
+        if overflow and comm.get_rank() == 0:
+            log.warning("step %d: fp16 gradient overflow on some rank; step skipped on every "
+                        "rank, loss scale %g -> %g", self.global_steps, old_scale,
+                        self.loss_scaler.scale)
         self.optimizer.zero_grad(set_to_none=True)
         self.strategy.finish_step()
         self.global_steps += 1

@@ -1,0 +1,147 @@
+"""meta.json: everything in a checkpoint that is not a tensor.
+
+Written by global rank 0 once every rank's file is durable. Its parts:
+
+    format, version, tag, created
+    layout        how the run that saved was laid out: world_size, dp_size, zero_stage,
+                  compute_dtype (informative: loading never needs it to match)
+    params        name -> shape, dtype, requires_grad, and `ranges`: which rank's file holds
+                  which flat element range [start, end) of the fp32 master, with the names
+                  of the optimizer state tensors saved for that range and the scalar
+                  optimizer state ("step") of the parameter
+    aliases       tied parameters: state_dict name -> the name saved under `params`
+    buffers       persistent buffers (in rank 0's file)
+    optimizer     class name and param groups (options + parameter names)
+    lr_scheduler, loss_scaler, counters, data, config, client_state
+    ranks         per rank: its file and its RNG states
+    files         file name -> bytes, sha256 (checked before any tensor is read)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+from meshspeed.checkpoint.atomic import read_json
+from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.paths import META
+
+FORMAT = "meshspeed-checkpoint"
+VERSION = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dtype
+
+
+def json_options(options: dict[str, Any], where: str) -> dict[str, Any]:
+    """Optimizer param-group options as JSON (tuples become lists)."""
+    out = {}
+    for k, v in options.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, tuple):
+            v = list(v)
+        if not (v is None or isinstance(v, (bool, int, float, str))
+                or (isinstance(v, list) and all(isinstance(x, (bool, int, float)) for x in v))):
+            raise CheckpointError(f"{where}: option {k!r} = {v!r} is not a JSON value; "
+                                  "meshspeed checkpoints never pickle")
+        out[k] = v
+    return out
+
+
+def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict[str, torch.Tensor],
+                client_json: Any, client_keys: list[str]) -> dict[str, Any]:
+    """The rank-independent part of meta.json, built on rank 0 at save time."""
+    from meshspeed import comm
+
+    name_of = {id(s.key): s.name for s in slices}
+    opt = engine.optimizer
+    groups = [{"options": json_options(g, f"optimizer param group {i}"),
+               "params": [name_of.get(id(p), "?") for p in g["params"]]}
+              for i, g in enumerate(opt.param_groups)]
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    loader = engine.training_dataloader
+    sampler = getattr(loader, "sampler", None)
+    epoch = getattr(sampler, "epoch", None)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tag": tag,
+        "created": time.time(),
+        "layout": {"world_size": comm.get_world_size(), "dp_size": engine.dp_world_size,
+                   "zero_stage": engine.config.zero_stage,
+                   "compute_dtype": dtype_name(engine.config.precision_dtype)},
+        "params": {s.name: {"shape": list(s.shape), "dtype": dtype_name(s.dtype),
+                            "requires_grad": bool(s.requires_grad), "ranges": []} for s in slices},
+        "aliases": aliases,
+        "buffers": {k: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for k, b in buffers.items()},
+        "optimizer": {"class": type(opt).__name__, "param_groups": groups},
+        "lr_scheduler": sched,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                     "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
+        "data": {"global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
+                 "gradient_accumulation_steps": engine.gradient_accumulation_steps,
+                 "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+                 "dp_size": engine.dp_world_size,
+                 "sampler_epoch": epoch if isinstance(epoch, int) else None},
+        "config": engine.config.to_dict(),
+        "client_state": client_json,
+        "client_tensors": client_keys,
+        "ranks": [],
+        "files": {},
+    }
+
+
+def merge_rank(meta: dict[str, Any], info: dict[str, Any]) -> None:
+    """Fold one rank's marker (its ranges, file checksum and RNG) into meta.json."""
+    rank, file = info["rank"], info["file"]
+    for name, r in info["ranges"].items():
+        entry = meta["params"][name]
+        entry["ranges"].append({"rank": rank, "file": file, "start": r["start"], "end": r["end"],
+                                "optimizer": r["optimizer"]})
+        if r["scalars"] and "optimizer_scalars" not in entry:
+            entry["optimizer_scalars"] = r["scalars"]
+    meta["ranks"].append({"rank": rank, "file": file, "rng": info["rng"]})
+    meta["files"][file] = {"bytes": info["bytes"], "sha256": info["sha256"]}
+
+
+def check_coverage(meta: dict[str, Any]) -> None:
+    """Every element of every parameter is in exactly one saved range."""
+    for name, p in meta["params"].items():
+        numel = math.prod(p["shape"])
+        pos = 0
+        for r in sorted(p["ranges"], key=lambda r: r["start"]):
+            if r["start"] != pos:
+                break
+            pos = r["end"]
+        if pos != numel:
+            raise CheckpointError(f"checkpoint metadata is inconsistent: parameter {name!r} has "
+                                  f"saved ranges covering [0, {pos}) of {numel} elements")
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    meta_path = os.path.join(path, META)
+    meta = read_json(meta_path, "checkpoint metadata")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path} is not meshspeed checkpoint metadata "
+                              "(a DeepSpeed checkpoint needs converting first)")
+    if meta.get("version", 0) > VERSION:
+        raise CheckpointError(f"{meta_path} has format version {meta['version']}, newer than this "
+                              f"meshspeed understands ({VERSION}); upgrade meshspeed")
+    check_coverage(meta)
+    return meta

@@ -1,0 +1,127 @@
+"""`save_checkpoint`: every rank writes what it owns; rank 0 publishes the directory.
+
+Steps (collective): finish an asynchronous save in flight; agree on the tag; rank 0
+creates `<tag>.tmp-<nonce>/`; every rank snapshots its state; then, either now or in a
+background thread (`checkpoint.async_save`), every rank writes its file and marker and rank
+0 publishes (Note [publishing a checkpoint] in writer.py). A failure on any rank raises on
+all ranks and leaves `latest` and earlier checkpoints untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from meshspeed import comm
+from meshspeed.checkpoint import pending
+from meshspeed.checkpoint.agree import agree, everywhere, one_line
+from meshspeed.checkpoint.atomic import remove_tree
+from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.paths import check_tag, default_tag
+from meshspeed.checkpoint.snapshot import RankSnapshot, capture
+from meshspeed.checkpoint.writer import prepare, publish, wait_for_markers, write_failure, write_rank
+
+log = logging.getLogger("meshspeed")
+
+# How long rank 0's background thread waits for the other ranks' files (asynchronous saves).
+ASYNC_PUBLISH_TIMEOUT_S = float(os.environ.get("MESHSPEED_CHECKPOINT_ASYNC_TIMEOUT", "1800"))
+
+
+def _agree_on_tag(engine, tag: str) -> None:
+    tags = comm.all_gather_object(tag)
+    if len(set(tags)) == 1:
+        return
+    policy = str(engine.config.checkpoint.tag_validation).lower()
+    msg = f"ranks disagree on the checkpoint tag: {tags}; pass the same tag on every rank"
+    if policy == "fail":
+        raise CheckpointError(msg)
+    if policy == "warn" and comm.get_rank() == 0:
+        log.warning("%s (saving under rank 0's tag %r)", msg, tags[0])
+
+
+def _start(engine, save_dir: str, tag: str) -> str:
+    """Collective: rank 0 creates the temporary directory; every rank learns its name."""
+    tmp, error = None, None
+    if comm.get_rank() == 0:
+        try:
+            tmp = prepare(save_dir, tag)
+        except CheckpointError as err:
+            error = str(err)
+    tmp, error = comm.broadcast_object((tmp, error), src=0)
+    if error:
+        raise CheckpointError(error)
+    return tmp
+
+
+def _write_now(tmp: str, save_dir: str, tag: str, snap: RankSnapshot, save_latest: bool) -> str:
+    error = None
+    try:
+        write_rank(tmp, snap)
+    except Exception as err:  # noqa: BLE001 - reported on every rank
+        error = err
+    try:
+        agree(error)
+    except CheckpointError:
+        if snap.rank == 0:
+            remove_tree(tmp)
+        raise
+    final, error = None, None
+    if snap.rank == 0:
+        try:
+            markers = wait_for_markers(tmp, comm.get_world_size(), timeout=60.0)
+            final = publish(tmp, save_dir, tag, snap.meta, markers, save_latest)
+        except Exception as err:  # noqa: BLE001
+            error = err
+            remove_tree(tmp)
+    agree(error)  # also: no rank returns before the checkpoint is visible
+    return os.path.join(save_dir, tag)
+
+
+def _background_job(tmp: str, save_dir: str, tag: str, snap: RankSnapshot, world: int,
+                    save_latest: bool):
+    def job() -> None:
+        try:
+            write_rank(tmp, snap)
+        except BaseException as err:
+            write_failure(tmp, snap.rank, one_line(err))
+            raise
+        if snap.rank == 0:
+            try:
+                markers = wait_for_markers(tmp, world, ASYNC_PUBLISH_TIMEOUT_S)
+                publish(tmp, save_dir, tag, snap.meta, markers, save_latest)
+            except BaseException:
+                remove_tree(tmp)
+                raise
+    return job
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_latest: bool = True):
+    """Save the full training state under `<save_dir>/<tag>/` (tag: `global_step<N>`).
+
+    Collective. Returns True, as DeepSpeed does. With `checkpoint.async_save` the files are
+    written in the background; the next save, load, or exit waits for them."""
+    pending.wait_for_pending(engine)
+    save_dir = os.fspath(save_dir)
+    tag = everywhere(check_tag, tag if tag is not None else default_tag(engine.global_steps))
+    _agree_on_tag(engine, tag)
+    tag = comm.broadcast_object(tag, src=0)
+    gas = engine.gradient_accumulation_steps
+    if engine.micro_steps % gas and comm.get_rank() == 0:
+        log.warning("checkpoint %r is saved %d micro-step(s) into a gradient accumulation window "
+                    "of %d: the partly accumulated gradients are not saved", tag,
+                    engine.micro_steps % gas, gas)
+    tmp = _start(engine, save_dir, tag)
+    async_save = engine.config.checkpoint.async_save
+    try:
+        snap = everywhere(capture, engine, tag, client_state, copy=async_save)
+    except CheckpointError:
+        if comm.get_rank() == 0:
+            remove_tree(tmp)
+        raise
+    if async_save:
+        pending.start(engine, tag, _background_job(tmp, save_dir, tag, snap,
+                                                   comm.get_world_size(), save_latest))
+        return True
+    _write_now(tmp, save_dir, tag, snap, save_latest)
+    return True

@@ -1,0 +1,108 @@
+"""What one rank puts in a checkpoint, captured from a live engine.
+
+A snapshot is the list of tensors for the rank's file plus the JSON that describes them;
+with `copy=True` (asynchronous saves) every tensor is copied to host memory, so training
+may change the originals while a background thread writes the copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.jsonable import capture_rng, encode_client_state
+from meshspeed.checkpoint.metadata import global_meta
+from meshspeed.checkpoint.paths import rank_file
+
+
+@dataclass
+class RankSnapshot:
+    rank: int
+    tensors: dict[str, torch.Tensor]  # the rank file's content
+    info: dict[str, Any]  # this rank's marker: ranges, optimizer scalars, RNG
+    meta: dict[str, Any] | None = None  # rank 0: the rest of meta.json
+    client_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """state_dict name of a repeated parameter -> the name named_parameters() reports."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{name}" if mod_name else name] = buf
+    return out
+
+
+def _is_range_state(key: str, value: Any, param: torch.Tensor) -> bool:
+    """Optimizer state shaped like its parameter (exp_avg, momentum_buffer, ...)."""
+    return (isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape)
+            and (param.dim() > 0 or key != "step"))
+
+
+def _scalar(key: str, value: Any, name: str) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return {"value": value.item(), "dtype": str(value.dtype).replace("torch.", ""),
+                "shape": list(value.shape)}
+    if value is None or isinstance(value, (bool, int, float)):
+        return {"value": value}
+    raise CheckpointError(f"optimizer state {key!r} of parameter {name!r} is a "
+                          f"{type(value).__name__} of shape {getattr(value, 'shape', '?')}: "
+                          "neither parameter-shaped nor a scalar, so it cannot be sharded")
+
+
+def _take(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()
+    if copy or t.device.type != "cpu":
+        return t.to("cpu", copy=True)
+    return t
+
+
+def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
+    """This rank's part of the checkpoint (rank 0 also builds the global metadata)."""
+    rank = comm.get_rank()
+    slices = engine.strategy.owned_slices()
+    tensors: dict[str, torch.Tensor] = {}
+    ranges: dict[str, Any] = {}
+    state = engine.optimizer.state
+    for s in slices:
+        if not s.writer or s.end == s.start:
+            continue
+        tensors[f"master/{s.name}"] = _take(s.master.reshape(-1), copy)
+        saved, scalars = [], {}
+        for key, value in (state[s.key].items() if s.key in state else ()):
+            if _is_range_state(key, value, s.key):
+                tensors[f"optim/{key}/{s.name}"] = _take(value.reshape(-1), copy)
+                saved.append(key)
+            else:
+                scalars[key] = _scalar(key, value, s.name)
+        ranges[s.name] = {"start": s.start, "end": s.end, "optimizer": saved, "scalars": scalars}
+    rng, rng_tensors = capture_rng()
+    tensors.update(rng_tensors)
+    info = {"rank": rank, "file": rank_file(rank), "ranges": ranges, "rng": rng}
+    snap = RankSnapshot(rank, tensors, info)
+    if rank == 0:
+        client_json, client_tensors = encode_client_state(client_state)
+        buffers = persistent_buffers(engine.module)
+        for name, b in buffers.items():
+            tensors[f"buffer/{name}"] = _take(b, copy)
+        snap.meta = global_meta(engine, tag, slices, tied_aliases(engine.module), buffers,
+                                client_json, list(client_tensors))
+        snap.client_tensors = client_tensors
+    return snap

@@ -1,0 +1,102 @@
+"""Writing a checkpoint directory: per-rank files, markers, and publishing by rank 0.
+
+Note [publishing a checkpoint]
+Every rank writes into `<tag>.tmp-<nonce>/`: its tensor file (temp name, fsync, rename),
+then a small marker `rank-XXXXX.json` holding the file's size and SHA-256. Global rank 0
+waits for all markers, writes meta.json, renames the directory to `<tag>/` and only then
+replaces `latest`. A crash at any point before that rename leaves only a `.tmp-` directory
+(ignored by loaders, removed by the next save of that tag), so `latest` always names a
+complete checkpoint. Markers are files rather than a collective so that the same code
+serves asynchronous saves, whose background threads must not call collectives.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import time
+
+from meshspeed.checkpoint.atomic import publish_dir, read_json, remove_tree, write_json, write_text
+from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
+from meshspeed.checkpoint.metadata import check_coverage, merge_rank
+from meshspeed.checkpoint.paths import (CLIENT_TENSORS, LATEST, META, rank_failure, rank_file,
+                                        rank_marker)
+from meshspeed.checkpoint.snapshot import RankSnapshot
+from meshspeed.checkpoint.tensorfile import write_tensors
+
+
+def _test_pause(point: str) -> None:
+    """Called at named points of a save; tests replace it to freeze a rank there."""
+
+
+def prepare(save_dir: str, tag: str) -> str:
+    """Rank 0: create the temporary directory of this save (clearing stale ones of the tag)."""
+    final = os.path.join(save_dir, tag)
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        for stale in glob.glob(glob.escape(final) + ".tmp-*"):
+            remove_tree(stale)  # left by an interrupted save of the same tag
+        tmp = f"{final}.tmp-{secrets.token_hex(4)}"
+        os.makedirs(tmp)
+    except OSError as err:
+        raise CheckpointError(describe_os_error(err, save_dir, "create a checkpoint in")) from err
+    return tmp
+
+
+def write_rank(tmp: str, snap: RankSnapshot) -> None:
+    """This rank's tensor file, then its marker (the marker says the file is durable)."""
+    nbytes, sha = write_tensors(os.path.join(tmp, rank_file(snap.rank)), snap.tensors)
+    if snap.client_tensors:
+        cb, csha = write_tensors(os.path.join(tmp, CLIENT_TENSORS), snap.client_tensors)
+        snap.meta["files"][CLIENT_TENSORS] = {"bytes": cb, "sha256": csha}
+    _test_pause("rank_file_written")
+    write_json(os.path.join(tmp, rank_marker(snap.rank)), {**snap.info, "bytes": nbytes, "sha256": sha})
+
+
+def write_failure(tmp: str, rank: int, message: str) -> None:
+    """Best effort: tell rank 0 (waiting for markers) that this rank will not finish."""
+    try:
+        write_json(os.path.join(tmp, rank_failure(rank)), {"rank": rank, "error": message})
+    except CheckpointError:
+        pass
+
+
+def read_markers(tmp: str, world: int) -> list[dict]:
+    return [read_json(os.path.join(tmp, rank_marker(r)), "rank marker") for r in range(world)]
+
+
+def wait_for_markers(tmp: str, world: int, timeout: float) -> list[dict]:
+    """Poll until every rank's marker exists; raise on a failure marker or the timeout."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        missing = [r for r in range(world) if not os.path.exists(os.path.join(tmp, rank_marker(r)))]
+        for r in missing:
+            failed = os.path.join(tmp, rank_failure(r))
+            if os.path.exists(failed):
+                raise CheckpointError(f"rank {r}: {read_json(failed, 'failure marker')['error']}")
+        if not missing:
+            return read_markers(tmp, world)
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"rank(s) {missing} did not finish writing {tmp} within "
+                                  f"{timeout:.0f} s; the checkpoint was not published")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def publish(tmp: str, save_dir: str, tag: str, meta: dict, markers: list[dict],
+            save_latest: bool) -> str:
+    """Rank 0: meta.json, rename to <tag>/, then `latest` (see Note [publishing a checkpoint])."""
+    for info in sorted(markers, key=lambda m: m["rank"]):
+        merge_rank(meta, info)
+    check_coverage(meta)
+    write_json(os.path.join(tmp, META), meta)
+    for r in range(len(markers)):
+        os.remove(os.path.join(tmp, rank_marker(r)))
+    final = os.path.join(save_dir, tag)
+    _test_pause("before_publish")
+    publish_dir(tmp, final)
+    if save_latest:
+        write_text(os.path.join(save_dir, LATEST), tag)
+    return final
