@@ -66,11 +66,11 @@ def _write_now(tmp: str, save_dir: str, tag: str, snap: RankSnapshot, save_lates
         if snap.rank == 0:
             remove_tree(tmp)
         raise
-    final, error = None, None
+    error = None
     if snap.rank == 0:
         try:
             markers = wait_for_markers(tmp, comm.get_world_size(), timeout=60.0)
-            final = publish(tmp, save_dir, tag, snap.meta, markers, save_latest)
+            publish(tmp, save_dir, tag, snap.meta, markers, save_latest)
         except Exception as err:  # noqa: BLE001
             error = err
             remove_tree(tmp)

@@ -1,0 +1,164 @@
+"""`load_checkpoint`: each rank reads the ranges it owns in the current layout.
+
+Steps (collective; a failure on any rank raises on all): finish a save in flight; find
+the tag and read meta.json; check every file's size and SHA-256 (shared among ranks);
+check the model matches; read each owned master range (Note [resharding is range
+intersection] in reshard.py) and let the strategy rebuild the parameters; then optimizer
+state the same way, LR schedule, loss scale, counters, data position and RNG.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from meshspeed import comm
+from meshspeed.checkpoint import pending
+from meshspeed.checkpoint.agree import everywhere
+from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
+from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
+from meshspeed.checkpoint.paths import CLIENT_TENSORS, resolve
+from meshspeed.checkpoint.reshard import SavedTensors, overlaps, verify_files
+from meshspeed.checkpoint.snapshot import persistent_buffers
+
+log = logging.getLogger("meshspeed")
+
+
+def _open(load_dir, tag) -> tuple[str, dict]:
+    path = resolve(load_dir, tag)
+    meta = read_meta(path)
+    verify_files(path, meta, comm.get_rank(), comm.get_world_size())
+    return path, meta
+
+
+def match_model(path: str, meta: dict, slices, strict: bool) -> list:
+    """The slices to load; a one-line error for the first parameter that does not fit."""
+    saved = meta["params"]
+    for s in slices:
+        if s.name in saved and tuple(saved[s.name]["shape"]) != tuple(s.shape):
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: parameter {s.name!r} has shape "
+                f"{tuple(saved[s.name]['shape'])} in the checkpoint but {tuple(s.shape)} in the model")
+    missing = [s.name for s in slices if s.name not in saved]
+    unexpected = [n for n in saved if n not in {s.name for s in slices}]
+    if strict and (missing or unexpected):
+        which = (f"parameter {missing[0]!r} of the model is not in the checkpoint" if missing
+                 else f"checkpoint parameter {unexpected[0]!r} is not in the model")
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {which} "
+                              f"({len(missing)} missing, {len(unexpected)} unexpected); pass "
+                              "load_module_strict=False to load the parameters that match")
+    if (missing or unexpected) and comm.get_rank() == 0:
+        log.warning("loading %s non-strictly: %d model parameter(s) not in the checkpoint keep "
+                    "their values (first: %s); %d checkpoint parameter(s) ignored", path,
+                    len(missing), missing[:1], len(unexpected))
+    return [s for s in slices if s.name in saved]
+
+
+def _load_weights(engine, store: SavedTensors, slices) -> None:
+    with torch.no_grad():
+        for s in slices:
+            store.fill(s.name, "master", s.start, s.end, s.master)
+        buffers = persistent_buffers(engine.module)
+        rank0_file = next(r["file"] for r in store.meta["ranks"] if r["rank"] == 0)
+        for name, info in store.meta["buffers"].items():
+            if name in buffers:
+                buffers[name].copy_(store.read(rank0_file, f"buffer/{name}"))
+
+
+def _restore_groups(optimizer, meta: dict, path: str) -> None:
+    saved = meta["optimizer"]
+    if saved["class"] != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint {path} holds {saved['class']} state but the engine's "
+                              f"optimizer is {type(optimizer).__name__}; pass "
+                              "load_optimizer_states=False to load the weights only")
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {path} has {len(saved['param_groups'])} optimizer param "
+                              f"group(s), the engine's optimizer {len(optimizer.param_groups)}; "
+                              "pass load_optimizer_states=False to load the weights only")
+    for group, g in zip(optimizer.param_groups, saved["param_groups"]):
+        for k, v in g["options"].items():
+            if k in group:
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+def _scalar(saved: dict[str, Any]) -> Any:
+    if "dtype" not in saved:
+        return saved["value"]
+    return torch.tensor(saved["value"], dtype=dtype_from_name(saved["dtype"])).reshape(saved["shape"])
+
+
+def _load_optimizer(engine, store: SavedTensors, slices, path: str) -> None:
+    opt = engine.optimizer
+    _restore_groups(opt, store.meta, path)
+    tracked = {id(p) for g in opt.param_groups for p in g["params"]}
+    for s in slices:
+        entry = store.meta["params"][s.name]
+        if id(s.key) not in tracked or "optimizer_scalars" not in entry:
+            continue  # frozen now, or never stepped when saved
+        keys = entry["ranges"][0]["optimizer"]
+        hits = list(overlaps(entry["ranges"], s.start, s.end))
+        if any(set(r["optimizer"]) != set(keys) for r, _, _ in hits):
+            raise CheckpointError(f"checkpoint {path}: optimizer state of {s.name!r} differs "
+                                  "between ranks; pass load_optimizer_states=False")
+        state: dict[str, Any] = {k: _scalar(v) for k, v in entry["optimizer_scalars"].items()}
+        for k in keys:
+            t = torch.empty(s.key.shape, dtype=store.saved_dtype(s.name, f"optim/{k}"),
+                            device=s.key.device)
+            store.fill(s.name, f"optim/{k}", s.start, s.end, t)
+            state[k] = t
+        opt.state[s.key] = state
+
+
+def _load_loop_state(engine, meta: dict, store: SavedTensors, load_scheduler: bool,
+                     load_optimizer: bool) -> None:
+    if load_optimizer and meta["loss_scaler"] and engine.loss_scaler.state_dict():
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if load_scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    c = meta["counters"]
+    engine.global_steps, engine.micro_steps = c["global_steps"], c["micro_steps"]
+    engine.global_samples, engine.skipped_steps = c["global_samples"], c["skipped_steps"]
+    sampler = getattr(engine.training_dataloader, "sampler", None)
+    epoch = meta["data"].get("sampler_epoch")
+    if epoch is not None and hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    mine = [r for r in meta["ranks"] if r["rank"] == comm.get_rank()]
+    if mine:  # a rank that did not exist when saving keeps its RNG state
+        restore_rng(mine[0]["rng"], lambda key: store.read(mine[0]["file"], key))
+
+
+def _client_state(meta: dict, store: SavedTensors) -> Any:
+    tensors = {k: store.read(CLIENT_TENSORS, k) for k in meta["client_tensors"]}
+    return decode_client_state(meta["client_state"], tensors)
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str, Any]:
+    """Load a checkpoint saved at any data-parallel size and ZeRO stage.
+
+    Collective. Returns `(checkpoint directory, client_state)`; errors (missing directory or
+    tag, corrupted file, different model) are raised as one-line CheckpointErrors."""
+    pending.wait_for_pending(engine)
+    path, meta = everywhere(_open, load_dir, tag)
+    slices = engine.strategy.owned_slices()
+    slices = everywhere(match_model, path, meta, slices, load_module_strict)
+    store = SavedTensors(path, meta)
+    everywhere(_load_weights, engine, store, slices)
+    engine.strategy.sync_params_from_masters()
+    if not load_module_only:
+        if load_optimizer_states:
+            everywhere(_load_optimizer, engine, store, slices, path)
+        everywhere(_load_loop_state, engine, meta, store, load_lr_scheduler_states,
+                   load_optimizer_states)
+    client_state = everywhere(_client_state, meta, store)
+    if comm.get_rank() == 0:
+        layout = meta["layout"]
+        log.info("loaded %s (saved at dp=%d, ZeRO stage %d; now dp=%d, stage %d)", path,
+                 layout["dp_size"], layout["zero_stage"], engine.dp_world_size,
+                 engine.config.zero_stage)
+    return path, client_state
+
