@@ -210,7 +210,8 @@ def _reset_peak_rss() -> bool:
 
 @dataclass
 class RankResult:
-    step_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # wall clock
+    cpu_s: list[float] = field(default_factory=list)  # CPU time of the process (all threads)
     losses: list[float] = field(default_factory=list)
     baseline_rss_kb: int = 0
     peak_rss_kb: int = 0
@@ -221,13 +222,14 @@ class RankResult:
 def _timed_steps(trainer, batches, setup: Setup, res: RankResult) -> None:
     for i, (x, y) in enumerate(batches[: setup.warmup + setup.steps]):
         dist.barrier()  # start every step together; the barrier itself is not timed
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = trainer.forward_backward(x, y)
         trainer.optimizer_step()
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         res.losses.append(float(loss.detach()))
         if i >= setup.warmup:
             res.step_s.append(elapsed)
+            res.cpu_s.append(cpu)
 
 
 def _profile_steps(trainer, batches, setup: Setup, steps: int) -> str | None:
@@ -340,6 +342,8 @@ def summarise(name: str, ranks: list[dict]) -> dict:
         "framework": name,
         "median_step_s": statistics.median(r0["step_s"]),
         "median_step_s_per_rank": [statistics.median(r["step_s"]) for r in ranks],
+        "median_cpu_s_per_rank": [statistics.median(r["cpu_s"]) for r in ranks],
+        "step_s": r0["step_s"],
         "peak_rss_mib": max(r["peak_rss_kb"] for r in ranks) / 1024,
         "peak_rss_delta_mib": max(r["peak_rss_kb"] - r["baseline_rss_kb"] for r in ranks) / 1024,
         "model_state_bytes": max(state),
@@ -499,7 +503,7 @@ def main(argv=None) -> None:
         t0 = time.time()
         rows[name] = summarise(name, spawn(name, setup, args.nproc))
         r = rows[name]
-        print(f"{name:12s} step {r['median_step_s']:.3f}s  peak RSS {r['peak_rss_mib']:.0f} MiB "
+        print(f"{name:14s} step {r['median_step_s']:.3f}s (cpu {r['median_cpu_s_per_rank'][0]:.3f}s)  peak RSS {r['peak_rss_mib']:.0f} MiB "
               f"(+{r['peak_rss_delta_mib']:.0f})  state {r['model_state_bytes'] / 2**20:.2f} MiB  "
               f"loss0 {r['losses'][0]:.6f}  [{time.time() - t0:.0f}s]", flush=True)
     psi = build_model(setup).config.num_params()

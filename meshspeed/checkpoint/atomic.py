@@ -51,7 +51,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def write_json(path: str, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=1))
+    write_text(path, json.dumps(obj, separators=(",", ":")))
 
 
 def read_json(path: str, what: str) -> Any:

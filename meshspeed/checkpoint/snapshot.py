@@ -77,7 +77,8 @@ def _take(t: torch.Tensor, copy: bool) -> torch.Tensor:
 def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
     """This rank's part of the checkpoint (rank 0 also builds the global metadata)."""
     rank = comm.get_rank()
-    slices = engine.strategy.owned_slices()
+    order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
+    slices = sorted(engine.strategy.owned_slices(), key=lambda s: order.get(s.name, len(order)))
     tensors: dict[str, torch.Tensor] = {}
     ranges: dict[str, Any] = {}
     state = engine.optimizer.state

@@ -100,8 +100,8 @@ class _ThenWork:
         return self._work.is_completed()
 
 
-def _reduce_op(op: ReduceOpLike, group: Any) -> tuple[Any, bool]:
-    """(the ReduceOp to pass to torch, whether to divide by the group size afterwards)."""
+def _reduce_op(op: ReduceOpLike, group: Any, result: torch.Tensor) -> tuple[Any, bool]:
+    """(the ReduceOp to pass to torch, whether to divide `result` by the group size after)."""
     if isinstance(op, str):
         try:
             op = _NAMED_OPS[op.lower()]
@@ -110,6 +110,8 @@ def _reduce_op(op: ReduceOpLike, group: Any) -> tuple[Any, bool]:
                 f"unknown reduce op {op!r}; expected one of {sorted(_NAMED_OPS)} or a ReduceOp"
             ) from None
     if op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo":
+        if not result.is_floating_point() and not result.is_complex():
+            raise TypeError(f"op='avg' needs a floating-point tensor, got {result.dtype}")
         return dist.ReduceOp.SUM, True
     return op, False
 
@@ -117,8 +119,6 @@ def _reduce_op(op: ReduceOpLike, group: Any) -> tuple[Any, bool]:
 def _average_after(work: Any, result: torch.Tensor, group: Any, divide: bool) -> Any:
     if not divide:
         return work
-    if not result.is_floating_point() and not result.is_complex():
-        raise TypeError(f"op='avg' needs a floating-point tensor, got {result.dtype}")
     n = get_world_size(group)
     if work is None:
         result.div_(n)
@@ -144,7 +144,7 @@ def all_reduce(
     tensor: torch.Tensor, group: Any = None, op: ReduceOpLike = "sum", async_op: bool = False
 ) -> Any:
     """Reduce `tensor` in place across `group`."""
-    torch_op, divide = _reduce_op(op, group)
+    torch_op, divide = _reduce_op(op, group, tensor)
     nbytes = ring_bytes("all_reduce", _nbytes(tensor), get_world_size(group))
     work = _issue(
         "all_reduce",
@@ -193,7 +193,7 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Any:
     """Reduce `input` across ranks; rank r keeps the r-th of N equal dim-0 chunks in `output`."""
-    torch_op, divide = _reduce_op(op, group)
+    torch_op, divide = _reduce_op(op, group, output)
     nbytes = ring_bytes("reduce_scatter", _nbytes(input), get_world_size(group))
     work = _issue(
         "reduce_scatter",

@@ -20,6 +20,7 @@ from meshspeed.engine.engine import MeshspeedEngine
 from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
 from meshspeed.optim.precision import build_scaler
 from meshspeed.parallel.data.ddp import DataParallel
+from meshspeed.parallel.zero.init import cast_partitioned, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
 from meshspeed.runtime.distributed import describe_world, init_distributed
@@ -61,7 +62,7 @@ def initialize(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
 
-    module = model.to(device=device, dtype=cfg.precision_dtype)
+    module = _cast(model, device, cfg.precision_dtype)
     strategy = _build_strategy(module, dp_group, cfg)
     opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
@@ -86,6 +87,24 @@ def initialize(
     return engine, opt, loader, scheduler
 
 
+def _cast(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`module.to(device, dtype)` that also handles parameters partitioned by zero.Init
+    (their storage is empty until initialize builds stage-3 units from their slices)."""
+    if not any(is_partitioned(p) for p in module.parameters()):
+        return module.to(device=device, dtype=dtype)
+    if device.type != "cpu":
+        raise ConfigError([f"zero.Init models are built on the CPU in this version; got device {device}"])
+    for p in module.parameters():
+        if is_partitioned(p):
+            cast_partitioned(p, dtype)
+        elif p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for b in module.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(dtype)
+    return module
+
+
 def _local_rank() -> int:
     from meshspeed.runtime.distributed import get_local_rank
 
@@ -101,6 +120,9 @@ def _comm_dtype(cfg: MeshspeedConfig) -> torch.dtype:
 def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig):
     z = cfg.zero_optimization
     if cfg.zero_stage == 0:
+        for p in module.parameters():  # zero.Init slices: data parallelism needs them whole
+            if is_partitioned(p):
+                gather_partitioned(p, group)
         return DataParallel(module, group, bucket_numel=z.reduce_bucket_size,
                             comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm)
     return Zero(

@@ -197,15 +197,21 @@ class GPT(nn.Module):
         """Deterministic given the torch seed: N(0, 0.02) everywhere, with the projections
         that write into the residual stream (wo, w2) scaled by 1/sqrt(2 * n_layer) so the
         stream's variance does not grow with depth (GPT-2 paper, section 2.3)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual = name.endswith((".wo", ".w2"))
-                nn.init.normal_(module.weight, std=residual_std if is_residual else 0.02)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, Rotary):
-                module.reset_tables()
+            self.init_module(name, module)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialise one module's own parameters and buffers (not its children's), so that
+        code materialising the model piece by piece (meshspeed.zero.Init) can reuse it."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            is_residual = name.endswith((".wo", ".w2"))
+            nn.init.normal_(module.weight, std=residual_std if is_residual else 0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, Rotary):
+            module.reset_tables()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids. Returns logits (B, T, vocab) when targets is None,

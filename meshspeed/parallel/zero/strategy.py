@@ -16,6 +16,7 @@ from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice
+from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units
 from meshspeed.parallel.zero.prefetch import Fetcher, Pass, attach_pre_backward
 from meshspeed.parallel.zero.stages import STAGES
@@ -41,6 +42,7 @@ class Zero:
         self.spec = STAGES[stage]
         self.module = module
         self.group = group
+        self._gather_built_under_init(module, persistence_threshold)
         self._broadcast_from_first_rank(module)
         plan: GroupingPlan = (
             module_units(module, persistence_threshold) if self.spec.shard_params
@@ -62,10 +64,18 @@ class Zero:
             self.fetcher = Fetcher(self.units, prefetch_numel, max_live_numel)
             self._install_module_hooks(plan)
 
-    def _broadcast_from_first_rank(self, module: nn.Module) -> None:
-        src = 0
+    def _gather_built_under_init(self, module: nn.Module, persistence_threshold: int) -> None:
+        """Parameters built by zero.Init that this stage keeps whole are gathered once."""
         for p in module.parameters():
-            comm.broadcast(p.data, src=src, group=self.group)
+            keep_whole = not self.spec.shard_params or p.numel() <= persistence_threshold
+            if is_partitioned(p) and keep_whole:
+                gather_partitioned(p, self.group)
+
+    def _broadcast_from_first_rank(self, module: nn.Module) -> None:
+        """Every replica starts from rank 0's values (zero.Init slices are already agreed)."""
+        for p in module.parameters():
+            if not is_partitioned(p):
+                comm.broadcast(p.data, src=0, group=self.group)
 
     # -- stage 3 module hooks -------------------------------------------------------------
     def _install_module_hooks(self, plan: GroupingPlan) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.parallel.zero.init import is_partitioned, take_shard
 from meshspeed.parallel.zero.layout import ParamLayout, UnitLayout
 
 
@@ -100,6 +101,9 @@ class ZeroUnit:
     def _local_shard(self) -> torch.Tensor:
         shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         for lay, p in zip(self.layout.params, self.params):
+            if is_partitioned(p):
+                shard[lay.offset : lay.offset + lay.chunk].copy_(take_shard(p))
+                continue
             start, n = self.rank * lay.chunk, lay.valid(self.rank)
             shard[lay.offset : lay.offset + n].copy_(p.detach().reshape(-1)[start : start + n])
         return shard
@@ -131,6 +135,8 @@ class ZeroUnit:
     # keep no stale copy alive in between.
     def _own_storage(self) -> None:
         for p in self.params:
+            if is_partitioned(p):
+                continue  # built by zero.Init: its slice is waiting in the registry
             storage = p.untyped_storage()
             if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
                 p.data = p.detach().clone()

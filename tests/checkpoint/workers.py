@@ -1,0 +1,102 @@
+"""Functions that run on every rank of `run_distributed` (module level, so they pickle)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+import meshspeed
+from meshspeed import comm
+from meshspeed.testing.parity import ParitySetup, build_model, full_state_dict, make_batches
+
+GLOBAL_ROWS = 12  # rows per optimizer step, whatever the world size (12 = 1*12 = 2*6 = 3*4 = 4*3)
+
+
+def setup_for(world: int, stage: int, steps: int = 4, **kw) -> ParitySetup:
+    return ParitySetup(steps=steps, world=world, micro=GLOBAL_ROWS // world, stage=stage, seq=8, **kw)
+
+
+def make_engine(setup: ParitySetup, seed: int = 0):
+    model = build_model(setup, seed=seed)
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=copy.deepcopy(setup.ds_config()))
+    return engine
+
+
+def train(engine, setup: ParitySetup, first: int, last: int) -> list[float]:
+    """Optimizer steps [first, last) of the setup's batches; the global mean loss of each."""
+    rank = comm.get_rank()
+    rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
+    losses = []
+    for batch in make_batches(setup)[first:last]:
+        total = torch.zeros(())
+        for micro in batch:
+            tokens = micro[rows]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        comm.all_reduce(total)
+        losses.append(total.item() / (setup.world * setup.gas))
+    return losses
+
+
+def counters(engine) -> dict:
+    return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
+            "scaler": engine.loss_scaler.state_dict()}
+
+
+# -- exact resume -------------------------------------------------------------------------------
+def resume_exact(setups: list[ParitySetup], root: str, n: int, m: int) -> list[dict]:
+    """For each setup: N steps, save, M steps; then a fresh engine loads and takes M steps."""
+    results = []
+    for i, setup in enumerate(setups):
+        save_dir = os.path.join(root, f"case{i}")
+        a = make_engine(setup)
+        train(a, setup, 0, n)
+        a.save_checkpoint(save_dir, client_state={"note": "hi", "t": torch.arange(3)})
+        saved_counters = counters(a)
+        losses_a = train(a, setup, n, n + m)
+        state_a = full_state_dict(a)
+        b = make_engine(setup, seed=99)  # different initial weights: the load must overwrite them
+        path, client = b.load_checkpoint(save_dir)
+        loaded_counters = counters(b)
+        losses_b = train(b, setup, n, n + m)
+        state_b = full_state_dict(b)
+        results.append({
+            "losses_equal": losses_a == losses_b, "losses": (losses_a, losses_b),
+            "params_equal": all(torch.equal(state_a[k], state_b[k]) for k in state_a),
+            "counters": (saved_counters, loaded_counters),
+            "final_counters": (counters(a), counters(b)),
+            "client": (client["note"], client["t"].tolist()), "path": path,
+        })
+    return results
+
+
+# -- resharding ---------------------------------------------------------------------------------
+def save_after(world: int, stages: list[int], root: str, n: int, steps: int) -> list[str]:
+    dirs = []
+    for stage in stages:
+        setup = setup_for(world, stage, steps=steps)
+        engine = make_engine(setup)
+        train(engine, setup, 0, n)
+        save_dir = os.path.join(root, f"dp{world}-stage{stage}")
+        engine.save_checkpoint(save_dir)
+        dirs.append(save_dir)
+    return dirs
+
+
+def load_and_continue(world: int, cases: list[tuple[str, int]], n: int, steps: int) -> list:
+    """For each (save_dir, stage): a fresh engine at this world size loads and trains on."""
+    out = []
+    for save_dir, stage in cases:
+        setup = setup_for(world, stage, steps=steps)
+        engine = make_engine(setup, seed=5)
+        engine.load_checkpoint(save_dir)
+        assert engine.global_steps == n, engine.global_steps
+        losses = train(engine, setup, n, steps)
+        out.append((losses, full_state_dict(engine)))
+    return out
