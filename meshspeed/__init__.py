@@ -23,6 +23,9 @@ _LAZY = {
     "comm": ("meshspeed.comm", None),
     "checkpoint": ("meshspeed.checkpoint", None),
     "accelerator": ("meshspeed.runtime.accelerator", None),
+    "utils": ("meshspeed.utils", None),
+    "add_config_arguments": ("meshspeed.arguments", "add_config_arguments"),
+    "get_accelerator": ("meshspeed.runtime.accelerator", "get_accelerator"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -50,7 +50,10 @@ def initialize(
     if model is None:
         raise ValueError("initialize() needs model=<your nn.Module>")
     if config is None:
-        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+        config = config_params
+        for attr in ("deepspeed_config", "deepscale_config"):  # DeepSpeed's argparse flags
+            if config is None:
+                config = getattr(args, attr, None)
     if not comm.is_initialized():
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     accelerator = get_accelerator()

@@ -78,7 +78,9 @@ class MeshspeedEngine(nn.Module):
 
     @property
     def local_rank(self) -> int:
-        return self.device.index or 0
+        from meshspeed.runtime.distributed import get_local_rank
+
+        return get_local_rank()
 
     @property
     def dp_world_size(self) -> int:
@@ -152,6 +154,7 @@ class MeshspeedEngine(nn.Module):
                  ", ".join(f"{lr:.3g}" for lr in self.get_lr()))
         if self.comm_logger is not None:
             log.info("communication in the last %d steps:\n%s", every, self.comm_logger.format_table())
+            self.comm_logger.reset()
 
     def memory_breakdown(self) -> dict:
         """Bytes resident on this rank by category (each storage counted once)."""

@@ -41,6 +41,13 @@ class Accelerator:
     def set_device(self, local_rank: int) -> None:
         raise NotImplementedError
 
+    def device_name(self, device_index: int | None = None) -> str:
+        """DeepSpeed's spelling: "cuda:0", "cpu" — usable as `tensor.to(name)`."""
+        return str(self.device(device_index))
+
+    def current_device_name(self) -> str:
+        return self.device_name()
+
     def synchronize(self) -> None:
         raise NotImplementedError
 

@@ -1,0 +1,21 @@
+"""DeepSpeed-compatible helpers that scripts reach as `deepspeed.utils.X`."""
+
+from __future__ import annotations
+
+import logging
+
+from meshspeed.data.loader import RepeatingLoader
+
+logger = logging.getLogger("meshspeed")
+
+__all__ = ["RepeatingLoader", "log_dist", "logger"]
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """Log `message` on the listed ranks (default: rank 0; [-1]: every rank)."""
+    from meshspeed import comm
+
+    rank = comm.get_rank() if comm.is_initialized() else 0
+    ranks = [0] if ranks is None else ranks
+    if -1 in ranks or rank in ranks:
+        logger.log(level, "[rank %d] %s", rank, message)
