@@ -22,7 +22,7 @@ from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import CLIENT_TENSORS, resolve
 from meshspeed.checkpoint.reshard import SavedTensors, overlaps, verify_files
-from meshspeed.checkpoint.snapshot import persistent_buffers
+from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers
 
 log = logging.getLogger("meshspeed")
 
@@ -144,7 +144,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     tag, corrupted file, different model) are raised as one-line CheckpointErrors."""
     pending.wait_for_pending(engine)
     path, meta = everywhere(_open, load_dir, tag)
-    slices = engine.strategy.owned_slices()
+    slices = ordered_slices(engine)
     slices = everywhere(match_model, path, meta, slices, load_module_strict)
     store = SavedTensors(path, meta)
     everywhere(_load_weights, engine, store, slices)

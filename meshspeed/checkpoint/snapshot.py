@@ -50,6 +50,12 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def ordered_slices(engine) -> list:
+    """The strategy's owned slices in `module.named_parameters()` order."""
+    order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
+    return sorted(engine.strategy.owned_slices(), key=lambda s: order.get(s.name, len(order)))
+
+
 def _is_range_state(key: str, value: Any, param: torch.Tensor) -> bool:
     """Optimizer state shaped like its parameter (exp_avg, momentum_buffer, ...)."""
     return (isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape)
@@ -77,8 +83,7 @@ def _take(t: torch.Tensor, copy: bool) -> torch.Tensor:
 def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
     """This rank's part of the checkpoint (rank 0 also builds the global metadata)."""
     rank = comm.get_rank()
-    order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
-    slices = sorted(engine.strategy.owned_slices(), key=lambda s: order.get(s.name, len(order)))
+    slices = ordered_slices(engine)
     tensors: dict[str, torch.Tensor] = {}
     ranges: dict[str, Any] = {}
     state = engine.optimizer.state

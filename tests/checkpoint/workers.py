@@ -100,3 +100,16 @@ def load_and_continue(world: int, cases: list[tuple[str, int]], n: int, steps: i
         losses = train(engine, setup, n, steps)
         out.append((losses, full_state_dict(engine)))
     return out
+
+
+def mismatch_error(save_dir: str, model_overrides: dict, strict: bool = True) -> str | None:
+    """Load `save_dir` into a GPT built with other sizes; the error text, or None."""
+    from meshspeed.checkpoint import CheckpointError
+
+    setup = setup_for(comm.get_world_size(), 1, steps=2, model=model_overrides)
+    engine = make_engine(setup)
+    try:
+        engine.load_checkpoint(save_dir, load_module_strict=strict)
+    except CheckpointError as err:
+        return str(err)
+    return None

@@ -66,6 +66,8 @@ def test_init_built_model_trains_like_whole_model(stage):
 def _rss_growth_building(cfg_kwargs):
     import gc
 
+    with meshspeed.zero.Init():  # warm up: first use of init kernels costs tens of MB once
+        GPT(GPTConfig(**{**cfg_kwargs, "n_layer": 1, "d_model": 64, "n_head": 2}))
     gc.collect()
     before = _rss()
     with meshspeed.zero.Init():
@@ -81,7 +83,11 @@ def _rss():
 
 
 def test_building_a_large_model_costs_a_slice_not_the_model():
-    # ~60M parameters (240 MB fp32); each of 2 ranks should grow by ~half of that
-    cfg = dict(vocab_size=256, max_seq_len=64, n_layer=8, n_head=8, d_model=768)
+    # ~50M parameters (200 MB fp32) in 16 blocks of ~12.6 MB. Each of 2 ranks keeps half the
+    # model as slices; the allocator may keep a freed unit or two cached, hence the slack.
+    cfg = dict(vocab_size=256, max_seq_len=64, n_layer=16, n_head=8, d_model=512)
+    unit = 4 * sum(p.numel() for p in GPT(GPTConfig(**{**cfg, "n_layer": 1})).layers[0].parameters())
     for growth, full in run_distributed(_rss_growth_building, world_size=2, args=(cfg,), timeout=300):
-        assert growth < 0.7 * full, f"RSS grew {growth / 1e6:.0f} MB for a {full / 1e6:.0f} MB model"
+        bound = full / 2 + 2 * unit + 32e6
+        assert growth < bound < 0.8 * full, (
+            f"RSS grew {growth / 1e6:.0f} MB for a {full / 1e6:.0f} MB model (bound {bound / 1e6:.0f} MB)")
