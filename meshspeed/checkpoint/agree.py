@@ -27,12 +27,12 @@ def agree(exc: BaseException | None, group: Any = None) -> None:
     bad = [(rank, msg) for rank, msg in enumerate(failures) if msg]
     if not bad:
         return
-    if exc is not None:
-        if isinstance(exc, CheckpointError):
-            raise exc
-        raise CheckpointError(one_line(exc)) from exc
     rank, msg = bad[0]
-    raise CheckpointError(f"rank {rank}: {msg}")
+    # the same message on every rank (the one that failed keeps its exception as the cause)
+    text = f"rank {rank}: {msg}" if len(failures) > 1 else msg
+    if exc is not None and isinstance(exc, CheckpointError) and text == str(exc):
+        raise exc
+    raise CheckpointError(text) from exc
 
 
 def everywhere(fn: Callable[..., T], *args: Any, group: Any = None, **kwargs: Any) -> T:

@@ -170,6 +170,4 @@ def _build_comm_logger(cfg: MeshspeedConfig):
         return None
     from meshspeed.comm import CommLogger
 
-    logger = CommLogger(verbose=cfg.comms_logger.verbose, prof_ops=cfg.comms_logger.prof_ops or None)
-    logger.start()
-    return logger
+    return CommLogger.from_config(cfg.comms_logger).start()

@@ -8,6 +8,7 @@ MPICH/Intel MPI -- and is pure, so each launcher's conventions are tested withou
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import logging
@@ -169,6 +170,7 @@ def init_distributed(
                             world_size=env.world_size)
     global _launch_env
     _launch_env = env
+    atexit.register(_shutdown)
     if verbose and env.rank == 0:
         logger.info("meshspeed: %s process group, %s", backend, env.describe())
 
@@ -189,6 +191,17 @@ def _resolve(env: LaunchEnv, rank: int, world_size: int, distributed_port: int |
     else:  # a group must agree on a fixed port
         port = env.master_port or DEFAULT_PORT
     return dataclasses.replace(env, master_port=port)
+
+
+def _shutdown() -> None:
+    """Destroy the process group we created before the interpreter tears down: exiting
+    with gloo's threads still alive can abort the process ("terminate called without an
+    active exception") after a run that otherwise succeeded."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 def describe_world() -> str:

@@ -113,3 +113,94 @@ def mismatch_error(save_dir: str, model_overrides: dict, strict: bool = True) ->
     except CheckpointError as err:
         return str(err)
     return None
+
+
+# -- failures -----------------------------------------------------------------------------------
+def load_error(save_dir: str, stage: int = 2) -> str | None:
+    from meshspeed.checkpoint import CheckpointError
+
+    engine = make_engine(setup_for(comm.get_world_size(), stage, steps=2))
+    try:
+        engine.load_checkpoint(save_dir)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def save_with_full_disk(save_dir: str, failing_rank: int, async_save: bool = False) -> dict:
+    """Save global_step1, then global_step2 while `failing_rank`'s disk is full."""
+    import errno
+
+    from meshspeed.checkpoint import CheckpointError, tensorfile
+    from meshspeed.checkpoint.engine_api import raise_pending_errors, wait_for_pending
+    from meshspeed.checkpoint.pending import in_flight
+
+    extra = {"checkpoint": {"async_save": async_save}}
+    setup = setup_for(comm.get_world_size(), 1, steps=3, extra_config=extra)
+    engine = make_engine(setup)
+    train(engine, setup, 0, 1)
+    engine.save_checkpoint(save_dir)
+    train(engine, setup, 1, 2)
+
+    def full(f, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    original = tensorfile._write_chunk
+    if comm.get_rank() == failing_rank:
+        tensorfile._write_chunk = full
+    out = {"save": None, "pending": None}
+    try:
+        engine.save_checkpoint(save_dir)
+        while in_flight(engine):  # async: training would go on; here we wait for the outcome
+            pass
+        raise_pending_errors(engine)
+    except CheckpointError as err:
+        out["save" if not async_save else "pending"] = str(err)
+    finally:
+        tensorfile._write_chunk = original
+    comm.barrier()
+    # the failure was reported; the engine saves normally afterwards
+    train(engine, setup, 2, 3)
+    engine.save_checkpoint(save_dir)
+    wait_for_pending(engine)
+    out["steps"] = engine.global_steps
+    return out
+
+
+# -- asynchronous saves -------------------------------------------------------------------------
+def async_then_sync(root: str) -> dict:
+    """An async save held in the background while training goes on, and the same run saved
+    synchronously; both end up in `root`."""
+    import threading
+
+    from meshspeed.checkpoint import writer
+    from meshspeed.checkpoint.engine_api import wait_for_pending
+    from meshspeed.checkpoint.paths import read_latest
+    from meshspeed.checkpoint.pending import in_flight
+
+    world = comm.get_world_size()
+    release = threading.Event()
+
+    def hold(point: str) -> None:
+        if point == "rank_file_written":
+            release.wait(60)
+
+    setup = setup_for(world, 3, steps=4, extra_config={"checkpoint": {"async_save": True}})
+    a = make_engine(setup)
+    train(a, setup, 0, 2)
+    original, writer._test_pause = writer._test_pause, hold
+    try:
+        a.save_checkpoint(f"{root}/async")
+        out = {"in_flight": in_flight(a), "latest_during": read_latest(f"{root}/async")}
+        losses = train(a, setup, 2, 4)  # training goes on while the save is held
+        release.set()
+        a.save_checkpoint(f"{root}/async")  # waits for global_step2, then saves global_step4
+    finally:
+        writer._test_pause = original
+    wait_for_pending(a)
+    out["latest_after"] = read_latest(f"{root}/async")
+    s = make_engine(setup_for(world, 3, steps=4))
+    sync_losses = train(s, setup, 0, 4)
+    out["losses_equal"] = losses == sync_losses[2:]
+    s.save_checkpoint(f"{root}/sync", tag="global_step4")
+    return out
