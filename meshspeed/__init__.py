@@ -28,7 +28,7 @@ _LAZY = {
     "get_accelerator": ("meshspeed.runtime.accelerator", "get_accelerator"),
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY.keys()]  # noqa: PLE0604 - names listed in _LAZY
 
 
 def __getattr__(name: str) -> Any:

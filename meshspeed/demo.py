@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-DEMO_MODEL = dict(vocab_size=256, max_seq_len=128, n_layer=4, n_head=4, d_model=128)
+DEMO_MODEL = {"vocab_size": 256, "max_seq_len": 128, "n_layer": 4, "n_head": 4, "d_model": 128}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
         torchrun.main(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    except Exception as exc:  # torchrun raises ChildFailedError with every rank's error
+    except Exception as exc:  # noqa: BLE001 - torchrun raises ChildFailedError (every rank's error)
         print(f"meshspeed demo: a rank failed: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -20,7 +20,13 @@ from meshspeed.checkpoint.atomic import remove_tree
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.paths import check_tag, default_tag
 from meshspeed.checkpoint.snapshot import RankSnapshot, capture
-from meshspeed.checkpoint.writer import prepare, publish, wait_for_markers, write_failure, write_rank
+from meshspeed.checkpoint.writer import (
+    prepare,
+    publish,
+    wait_for_markers,
+    write_failure,
+    write_rank,
+)
 
 log = logging.getLogger("meshspeed")
 

@@ -16,6 +16,7 @@ Files written here load with `safetensors.torch.load_file` and vice versa (teste
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -44,12 +45,25 @@ def _write_chunk(f, data: memoryview) -> None:
     f.write(data)
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying.
+
+    Not `t.numpy()`: numpy pins the storage as non-resizable, and ZeRO-3 frees parameter
+    storage by resizing it (Note [freeing storage, not swapping tensors] in unit.py). The
+    caller keeps `t` alive while the view is used."""
+    assert t.device.type == "cpu" and t.is_contiguous()
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _as_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    t = t.contiguous()
+    return t, raw_bytes(t)
 
 
 @dataclass(frozen=True)
@@ -111,7 +125,9 @@ class TensorFileWriter:
         spec = self.specs[self._next]
         if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise ValueError(f"expected {spec} next, got {name} {tensor.dtype} {tuple(tensor.shape)}")
-        self._put(_as_bytes(tensor))
+        keep, data = _as_bytes(tensor)  # `keep` owns the memory `data` points at
+        self._put(data)
+        del keep
         self._next += 1
 
     def close(self) -> None:
@@ -239,7 +255,7 @@ class TensorFile:
         direct = out.device.type == "cpu" and out.is_contiguous() and out.dtype == e.dtype
         buf = out if direct else torch.empty(end - start, dtype=e.dtype)
         if end > start:
-            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+            view = raw_bytes(buf)
             try:
                 with open(self.path, "rb") as f:
                     f.seek(e.begin + start * e.dtype.itemsize)

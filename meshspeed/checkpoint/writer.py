@@ -20,8 +20,14 @@ import time
 from meshspeed.checkpoint.atomic import publish_dir, read_json, remove_tree, write_json, write_text
 from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
 from meshspeed.checkpoint.metadata import check_coverage, merge_rank
-from meshspeed.checkpoint.paths import (CLIENT_TENSORS, LATEST, META, rank_failure, rank_file,
-                                        rank_marker)
+from meshspeed.checkpoint.paths import (
+    CLIENT_TENSORS,
+    LATEST,
+    META,
+    rank_failure,
+    rank_file,
+    rank_marker,
+)
 from meshspeed.checkpoint.snapshot import RankSnapshot
 from meshspeed.checkpoint.tensorfile import write_tensors
 

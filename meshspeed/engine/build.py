@@ -143,9 +143,10 @@ def _build_optimizer(cfg, client, model_parameters, module, strategy):
             raise ConfigError(["optimizer: given both in the config and as initialize(optimizer=...); keep one"])
         return adopt_client_optimizer(client, groups, strategy.master_of)
     if cfg.optimizer is None:
-        raise ConfigError(["optimizer: missing; add an \"optimizer\" block to the config "
-                           "(e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}) "
-                           "or pass initialize(optimizer=...)"])
+        raise ConfigError(
+            'optimizer: missing; add an "optimizer" block to the config '
+            '(e.g. {"type": "AdamW", "params": {"lr": 3e-4}}) or pass initialize(optimizer=...)'
+        )
     try:
         return build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), groups)
     except (ValueError, TypeError) as err:

@@ -200,7 +200,7 @@ def _shutdown() -> None:
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at exit
+        except Exception:  # noqa: BLE001, S110 - best effort at exit
             pass
 
 

@@ -34,8 +34,8 @@ class ParitySetup:
     extra_config: dict = field(default_factory=dict)
 
     def gpt_config(self) -> GPTConfig:
-        base = dict(vocab_size=64, max_seq_len=self.seq, n_layer=2, n_head=2, d_model=32,
-                     tie_embeddings=self.tie)
+        base = {"vocab_size": 64, "max_seq_len": self.seq, "n_layer": 2, "n_head": 2,
+                "d_model": 32, "tie_embeddings": self.tie}
         return GPTConfig(**{**base, **self.model})
 
     def optimizer_block(self) -> dict:

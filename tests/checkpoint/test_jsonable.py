@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from meshspeed.checkpoint.errors import CheckpointError
-from meshspeed.checkpoint.jsonable import (capture_rng, decode_client_state,
-                                           encode_client_state, restore_rng)
+from meshspeed.checkpoint.jsonable import (
+    capture_rng,
+    decode_client_state,
+    encode_client_state,
+    restore_rng,
+)
 
 
 def test_client_state_round_trip():

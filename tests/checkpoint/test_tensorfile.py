@@ -12,8 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from meshspeed.checkpoint.errors import CheckpointError
-from meshspeed.checkpoint.tensorfile import (Spec, TensorFile, TensorFileWriter, sha256_file,
-                                             write_tensors)
+from meshspeed.checkpoint.tensorfile import (
+    Spec,
+    TensorFile,
+    TensorFileWriter,
+    sha256_file,
+    write_tensors,
+)
 
 
 def sample() -> dict[str, torch.Tensor]:

@@ -204,3 +204,46 @@ def async_then_sync(root: str) -> dict:
     out["losses_equal"] = losses == sync_losses[2:]
     s.save_checkpoint(f"{root}/sync", tag="global_step4")
     return out
+
+
+# -- consolidation and 16-bit export --------------------------------------------------------------
+def save_for_export(root: str) -> dict:
+    """ZeRO-3, tied embeddings: a checkpoint, the gathered state_dict, and save_16bit_model,
+    in fp32 and in bf16."""
+    from meshspeed.zero import GatheredParameters
+
+    out = {}
+    for precision in ("fp32", "bf16"):
+        setup = setup_for(comm.get_world_size(), 3, steps=2, tie=True, precision=precision)
+        engine = make_engine(setup)
+        train(engine, setup, 0, 2)
+        engine.save_checkpoint(f"{root}/{precision}")
+        module = engine.module
+        sharded_numel = sum(p.data.numel() for p in module.parameters() if p.data.untyped_storage().nbytes())
+        with GatheredParameters(list(module.parameters())):
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        path = engine.save_16bit_model(f"{root}/{precision}-export")
+        out[precision] = {"state": state, "file": path, "resident_numel_outside": sharded_numel}
+    return out
+
+
+class Wide(torch.nn.Module):
+    """Parameters of 4-8 MiB each (fp32), for the memory bound of `convert`."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.ModuleList(torch.nn.Linear(1024, 1024, bias=False) for _ in range(4))
+        self.b = torch.nn.Linear(1024, 2048, bias=False)
+
+    def forward(self, x):
+        return x
+
+
+def save_wide(root: str) -> str:
+    torch.manual_seed(0)
+    model = Wide()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.save_checkpoint(root)
+    return root

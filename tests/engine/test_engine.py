@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import meshspeed
-from meshspeed import comm
 from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.testing import run_distributed
 

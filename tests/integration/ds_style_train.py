@@ -36,7 +36,7 @@ def main():
     trainset = torch.utils.data.TensorDataset(x, y)
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
-    model_engine, optimizer, trainloader, _ = deepspeed.initialize(
+    model_engine, _optimizer, trainloader, _ = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset)
     local_device = deepspeed.get_accelerator().device_name(model_engine.local_rank)
     criterion = nn.CrossEntropyLoss()

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.parallel.buckets import split_by_numel, trainable
 from meshspeed.parallel import registry
+from meshspeed.parallel.buckets import split_by_numel, trainable
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice
 

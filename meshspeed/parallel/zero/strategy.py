@@ -16,8 +16,8 @@ from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice
-from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units
+from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.prefetch import Fetcher, Pass, attach_pre_backward
 from meshspeed.parallel.zero.stages import STAGES
 from meshspeed.parallel.zero.unit import ParamState, ZeroUnit

@@ -85,7 +85,7 @@ def _rss():
 def test_building_a_large_model_costs_a_slice_not_the_model():
     # ~50M parameters (200 MB fp32) in 16 blocks of ~12.6 MB. Each of 2 ranks keeps half the
     # model as slices; the allocator may keep a freed unit or two cached, hence the slack.
-    cfg = dict(vocab_size=256, max_seq_len=64, n_layer=16, n_head=8, d_model=512)
+    cfg = {"vocab_size": 256, "max_seq_len": 64, "n_layer": 16, "n_head": 8, "d_model": 512}
     unit = 4 * sum(p.numel() for p in GPT(GPTConfig(**{**cfg, "n_layer": 1})).layers[0].parameters())
     for growth, full in run_distributed(_rss_growth_building, world_size=2, args=(cfg,), timeout=300):
         bound = full / 2 + 2 * unit + 32e6
