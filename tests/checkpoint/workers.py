@@ -232,7 +232,7 @@ class Wide(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.a = torch.nn.ModuleList(torch.nn.Linear(1024, 1024, bias=False) for _ in range(4))
+        self.a = torch.nn.ModuleList(torch.nn.Linear(1024, 1024, bias=False) for _ in range(6))
         self.b = torch.nn.Linear(1024, 2048, bias=False)
 
     def forward(self, x):
