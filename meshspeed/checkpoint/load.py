@@ -64,8 +64,13 @@ def _load_weights(engine, store: SavedTensors, slices) -> None:
         buffers = persistent_buffers(engine.module)
         rank0_file = next(r["file"] for r in store.meta["ranks"] if r["rank"] == 0)
         for name, info in store.meta["buffers"].items():
-            if name in buffers:
-                buffers[name].copy_(store.read(rank0_file, f"buffer/{name}"))
+            if name not in buffers:
+                continue
+            if tuple(info["shape"]) != tuple(buffers[name].shape):
+                raise CheckpointError(
+                    f"checkpoint {store.path} does not fit this model: buffer {name!r} has shape "
+                    f"{tuple(info['shape'])} in the checkpoint but {tuple(buffers[name].shape)} in the model")
+            buffers[name].copy_(store.read(rank0_file, f"buffer/{name}"))
 
 
 def _restore_groups(optimizer, meta: dict, path: str) -> None:
@@ -114,8 +119,13 @@ def _load_optimizer(engine, store: SavedTensors, slices, path: str) -> None:
 
 def _load_loop_state(engine, meta: dict, store: SavedTensors, load_scheduler: bool,
                      load_optimizer: bool) -> None:
-    if load_optimizer and meta["loss_scaler"] and engine.loss_scaler.state_dict():
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    saved_scaler, scaler = meta["loss_scaler"], engine.loss_scaler.state_dict()
+    if load_optimizer and saved_scaler and scaler:
+        if set(saved_scaler) == set(scaler):
+            engine.loss_scaler.load_state_dict(saved_scaler)
+        elif comm.get_rank() == 0:
+            log.warning("not loading the saved loss scaler state %s: this run scales "
+                        "differently (%s)", saved_scaler, scaler)
     if load_scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     c = meta["counters"]
@@ -131,6 +141,8 @@ def _load_loop_state(engine, meta: dict, store: SavedTensors, load_scheduler: bo
 
 
 def _client_state(meta: dict, store: SavedTensors) -> Any:
+    if meta["client_state"] is None:
+        return {}  # as DeepSpeed: the client state is a dict, empty when none was saved
     tensors = {k: store.read(CLIENT_TENSORS, k) for k in meta["client_tensors"]}
     return decode_client_state(meta["client_state"], tensors)
 

@@ -20,6 +20,7 @@ CASES = (
     [(f"fp32-stage{s}-gas2", dict(stage=s, gas=2)) for s in range(4)]
     + [(f"fp16-stage{s}", dict(stage=s, precision="fp16", extra_config=FP16)) for s in (0, 2, 3)]
     + [("bf16-stage1", dict(stage=1, precision="bf16"))]
+    + [(f"frozen-tied-stage{s}", dict(stage=s, frozen=True, tie=True)) for s in (0, 3)]
 )
 
 
@@ -53,3 +54,8 @@ def test_fp16_case_skips_and_takes_steps(results):
 def test_gas_case_counts_micro_steps(results):
     saved, _ = results["fp32-stage0-gas2"]["counters"]
     assert saved["micro_steps"] == 2 * N and saved["global_samples"] == 2 * N * workers.GLOBAL_ROWS
+
+
+def test_data_position_and_sampler_epoch():
+    out = run_distributed(workers.sampler_epoch_round_trip, 2)
+    assert out == [(3, 24, 2), (3, 24, 2)]

@@ -228,11 +228,11 @@ def save_for_export(root: str) -> dict:
 
 
 class Wide(torch.nn.Module):
-    """Parameters of 4-8 MiB each (fp32), for the memory bound of `convert`."""
+    """48 MiB of fp32 parameters, each 4 or 8 MiB: for the memory bound of `convert`."""
 
     def __init__(self):
         super().__init__()
-        self.a = torch.nn.ModuleList(torch.nn.Linear(1024, 1024, bias=False) for _ in range(6))
+        self.a = torch.nn.ModuleList(torch.nn.Linear(1024, 1024, bias=False) for _ in range(10))
         self.b = torch.nn.Linear(1024, 2048, bias=False)
 
     def forward(self, x):
@@ -247,3 +247,26 @@ def save_wide(root: str) -> str:
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.save_checkpoint(root)
     return root
+
+
+def sampler_epoch_round_trip() -> tuple[int, int, int]:
+    """A DistributedSampler's epoch and the sample counters survive save and load."""
+    import tempfile
+
+    from torch.utils.data import TensorDataset
+
+    setup = setup_for(comm.get_world_size(), 2, steps=2)
+    data = TensorDataset(torch.randint(0, 64, (48, setup.seq + 1)))
+    save_dir = comm.broadcast_object(tempfile.mkdtemp(), src=0)
+    engines = []
+    for seed in (0, 1):
+        model = build_model(setup, seed=seed)
+        engine, _, loader, _ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                    config=setup.ds_config(), training_data=data)
+        engines.append(engine)
+    a, b = engines
+    a.training_dataloader.sampler.set_epoch(3)
+    train(a, setup, 0, 2)
+    a.save_checkpoint(save_dir)
+    b.load_checkpoint(save_dir)
+    return b.training_dataloader.sampler.epoch, b.global_samples, b.micro_steps
