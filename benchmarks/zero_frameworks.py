@@ -2,7 +2,9 @@
 
 A trainer has `forward_backward(x, y) -> loss`, `optimizer_step()` and `state_bytes()`
 (see Note [what counts as model state] in zero.py). All of them train the same GPT from
-the same seed on the same data, in fp32 with AdamW (lr 3e-4, weight decay 0.01).
+the same seed on the same data, in fp32 with AdamW (lr 3e-4, weight decay 0.01, torch's
+fused kernel: meshspeed picks it by default, torch only on request, and the comparison is
+about sharding, not optimizer kernels).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Setup:
     micro_batch: int = 8  # sequences per rank per step
     lr: float = 3e-4
     weight_decay: float = 0.01  # torch's AdamW default, and meshspeed's
+    fused: bool = True  # torch's fused AdamW kernel everywhere: compare sharding, not kernels
     seed: int = 1234
     warmup: int = 5  # untimed steps first
     steps: int = 30  # timed steps
@@ -82,7 +85,8 @@ class TorchTrainer:
 
     def __init__(self, model, wrapped, setup: Setup):
         self.model, self.wrapped = model, wrapped
-        self.opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=setup.weight_decay)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=setup.weight_decay,
+                                     fused=setup.fused)
 
     def forward_backward(self, x, y):
         loss = self.wrapped(x, y)
@@ -107,7 +111,8 @@ class EngineTrainer:
             zero["stage3_param_persistence_threshold"] = persistence_threshold
         config = {
             "train_micro_batch_size_per_gpu": setup.micro_batch,
-            "optimizer": {"type": "AdamW", "params": {"lr": setup.lr, "weight_decay": setup.weight_decay}},
+            "optimizer": {"type": "AdamW", "params": {"lr": setup.lr, "weight_decay": setup.weight_decay,
+                                                      "fused": setup.fused}},
             "zero_optimization": zero,
             "steps_per_print": 10**9,
         }

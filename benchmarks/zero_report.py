@@ -107,7 +107,7 @@ def render_markdown(rows: dict[str, dict], setup, world: int, psi: int, command:
         "",
         f"GPT with Ψ = {psi:,} parameters (vocab {setup.vocab_size}, d_model {setup.d_model}, "
         f"{setup.n_layer} layers, {setup.n_head} heads, sequence {setup.seq_len}), fp32, AdamW "
-        f"(lr {setup.lr}, weight decay {setup.weight_decay}), micro-batch {setup.micro_batch} per "
+        f"(lr {setup.lr}, weight decay {setup.weight_decay}, fused={setup.fused} everywhere), micro-batch {setup.micro_batch} per "
         f"rank, {world} ranks on gloo, one intra-op thread per rank. The same seed and the same byte "
         "windows of the Python standard library for every framework. Each framework runs in fresh "
         "processes (Note [one spawn per framework] in the script). Step time is the median over "
@@ -176,7 +176,8 @@ def render_markdown(rows: dict[str, dict], setup, world: int, psi: int, command:
               "|---|" + "---|" * 7]
     for name, r in rows.items():
         diff = max(abs(a - b) for a, b in zip(r["losses"], ddp["losses"]))
-        lines.append(f"| {name} | " + " | ".join(f"{l:.6f}" for l in r["losses"][:5])
+        first = [f"{l:.6f}" for l in r["losses"][:5]] + [""] * (5 - len(r["losses"][:5]))
+        lines.append(f"| {name} | " + " | ".join(first)
                      + f" | {r['losses'][-1]:.6f} | {diff:.2e} |")
     return "\n".join(lines) + "\n"
 

@@ -89,10 +89,11 @@ def _restore_groups(optimizer, meta: dict, path: str) -> None:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
 
 
-def _scalar(saved: dict[str, Any]) -> Any:
+def _scalar(saved: dict[str, Any], device: torch.device) -> Any:
     if "dtype" not in saved:
         return saved["value"]
-    return torch.tensor(saved["value"], dtype=dtype_from_name(saved["dtype"])).reshape(saved["shape"])
+    t = torch.tensor(saved["value"], dtype=dtype_from_name(saved["dtype"])).reshape(saved["shape"])
+    return t.to(device) if saved.get("on_device") else t
 
 
 def _load_optimizer(engine, store: SavedTensors, slices, path: str) -> None:
@@ -108,7 +109,8 @@ def _load_optimizer(engine, store: SavedTensors, slices, path: str) -> None:
         if any(set(r["optimizer"]) != set(keys) for r, _, _ in hits):
             raise CheckpointError(f"checkpoint {path}: optimizer state of {s.name!r} differs "
                                   "between ranks; pass load_optimizer_states=False")
-        state: dict[str, Any] = {k: _scalar(v) for k, v in entry["optimizer_scalars"].items()}
+        state: dict[str, Any] = {k: _scalar(v, s.key.device)
+                                 for k, v in entry["optimizer_scalars"].items()}
         for k in keys:
             t = torch.empty(s.key.shape, dtype=store.saved_dtype(s.name, f"optim/{k}"),
                             device=s.key.device)

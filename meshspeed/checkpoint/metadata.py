@@ -114,7 +114,7 @@ def merge_rank(meta: dict[str, Any], info: dict[str, Any]) -> None:
         entry = meta["params"][name]
         entry["ranges"].append({"rank": rank, "file": file, "start": r["start"], "end": r["end"],
                                 "optimizer": r["optimizer"]})
-        if r["scalars"] and "optimizer_scalars" not in entry:
+        if (r["optimizer"] or r["scalars"]) and "optimizer_scalars" not in entry:  # has state
             entry["optimizer_scalars"] = r["scalars"]
     meta["ranks"].append({"rank": rank, "file": file, "rng": info["rng"]})
     meta["files"][file] = {"bytes": info["bytes"], "sha256": info["sha256"]}

@@ -64,8 +64,9 @@ def _is_range_state(key: str, value: Any, param: torch.Tensor) -> bool:
 
 def _scalar(key: str, value: Any, name: str) -> dict[str, Any]:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
+        # fused/capturable optimizers keep "step" on the parameter's device; others on the CPU
         return {"value": value.item(), "dtype": str(value.dtype).replace("torch.", ""),
-                "shape": list(value.shape)}
+                "shape": list(value.shape), "on_device": value.device.type != "cpu"}
     if value is None or isinstance(value, (bool, int, float)):
         return {"value": value}
     raise CheckpointError(f"optimizer state {key!r} of parameter {name!r} is a "

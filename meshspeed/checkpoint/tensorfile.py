@@ -105,7 +105,7 @@ class TensorFileWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned, as safetensors does
         try:
-            self._f = open(self._tmp, "wb")
+            self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
         except OSError as err:
             raise CheckpointError(describe_os_error(err, path, "create")) from err
         self._put(struct.pack("<Q", len(raw)) + raw)

@@ -110,6 +110,10 @@ class MeshspeedEngine(nn.Module):
 
     def step(self) -> None:
         """Apply the optimizer at the accumulation boundary; a no-op on other micro-steps."""
+        if self.config.checkpoint.async_save:  # a failed background save surfaces here
+            from meshspeed.checkpoint.engine_api import raise_pending_errors
+
+            raise_pending_errors(self)
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size

@@ -64,8 +64,13 @@ def test_exit_waits_for_the_background_save(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")], env=env,
-                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "returned" in result.stdout
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step1"
     assert consolidate(tmp_path / "ckpt")
+
+
+def test_background_failure_surfaces_in_the_next_step(tmp_path):
+    errors = run_distributed(workers.async_failure_surfaces_in_step, 2, args=(str(tmp_path),))
+    assert all(e and "no space left on device" in e for e in errors), errors

@@ -96,7 +96,7 @@ def test_convert_streams_one_parameter_at_a_time(tmp_path_factory, dtype):
     largest, total = 8 * 2**20, (10 * 4 + 8) * 2**20  # fp32 bytes of the model
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", MEASURE, str(root), str(root / f"{dtype}.st"), dtype],
-                            env=env, capture_output=True, text=True, timeout=120)
+                            env=env, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     peak = int(result.stdout.split()[-1])
     assert peak < 3 * largest < total, f"peak extra memory {peak / 2**20:.1f} MiB"

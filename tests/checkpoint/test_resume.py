@@ -17,10 +17,11 @@ N, M = 2, 3
 # loss scaler mid-trajectory and the resumed steps mix skipped and taken ones.
 FP16 = {"fp16": {"initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}}
 CASES = (
-    [(f"fp32-stage{s}-gas2", dict(stage=s, gas=2)) for s in range(4)]
-    + [(f"fp16-stage{s}", dict(stage=s, precision="fp16", extra_config=FP16)) for s in (0, 2, 3)]
-    + [("bf16-stage1", dict(stage=1, precision="bf16"))]
-    + [(f"frozen-tied-stage{s}", dict(stage=s, frozen=True, tie=True)) for s in (0, 3)]
+    [(f"fp32-stage{s}-gas2", {"stage": s, "gas": 2}) for s in range(4)]
+    + [(f"fp16-stage{s}", {"stage": s, "precision": "fp16", "extra_config": FP16}) for s in (0, 2, 3)]
+    + [("bf16-stage1", {"stage": 1, "precision": "bf16"})]
+    + [(f"sgd-stage{s}", {"stage": s, "optimizer": "SGD", "clip": 0.0}) for s in (0, 2)]
+    + [(f"frozen-tied-stage{s}", {"stage": s, "frozen": True, "tie": True}) for s in (0, 3)]
 )
 
 

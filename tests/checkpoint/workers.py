@@ -261,7 +261,7 @@ def sampler_epoch_round_trip() -> tuple[int, int, int]:
     engines = []
     for seed in (0, 1):
         model = build_model(setup, seed=seed)
-        engine, _, loader, _ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
+        engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=setup.ds_config(), training_data=data)
         engines.append(engine)
     a, b = engines
@@ -270,3 +270,40 @@ def sampler_epoch_round_trip() -> tuple[int, int, int]:
     a.save_checkpoint(save_dir)
     b.load_checkpoint(save_dir)
     return b.training_dataloader.sampler.epoch, b.global_samples, b.micro_steps
+
+
+def async_failure_surfaces_in_step(save_dir: str) -> str | None:
+    """An async save fails on rank 1 (full disk); the next engine.step() must raise it."""
+    import errno
+
+    from meshspeed.checkpoint import CheckpointError, tensorfile
+    from meshspeed.checkpoint.pending import in_flight, wait_for_pending
+
+    setup = setup_for(comm.get_world_size(), 1, steps=2,
+                      extra_config={"checkpoint": {"async_save": True}})
+    engine = make_engine(setup)
+    train(engine, setup, 0, 1)
+
+    def full(f, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    original = tensorfile._write_chunk
+    if comm.get_rank() == 1:
+        tensorfile._write_chunk = full
+    try:
+        engine.save_checkpoint(save_dir)
+        while in_flight(engine):
+            pass
+    finally:
+        tensorfile._write_chunk = original
+    comm.barrier()
+    try:
+        train(engine, setup, 1, 2)
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        try:
+            wait_for_pending(engine)
+        except CheckpointError:
+            pass
+    return None

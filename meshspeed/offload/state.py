@@ -1,0 +1,370 @@
+"""Where offloaded optimizer state lives between steps: host memory or swap files.
+
+Both stores serve the optimizer one *sub-group* at a time (at most `sub_group_size`
+elements, whole parameters): `prefetch(sg)` starts making its state available,
+`acquire(handle)` returns it as per-key lists of tensors shaped like the parameters,
+`release(handle)` hands it back (for swap files: starts writing it out). The optimizer
+pipelines these so that the swap-in of sub-group k+1 overlaps the update of k.
+
+Each sub-group's state is one flat buffer per state key (`exp_avg`, `exp_avg_sq`), and a
+parameter's state is a view at its offset: one contiguous file and one I/O request per
+key and sub-group, and no per-parameter allocations. Scalar state (Adam's step count)
+stays in host memory in both stores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import deque
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshspeed.config.errors import ConfigError
+from meshspeed.offload.aio import IoRequest, SwapEngine
+from meshspeed.offload.hostmem import host_empty, round_up
+
+_F32 = 4  # bytes per state element: optimizer state is fp32
+
+
+@dataclass
+class SubGroup:
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]  # element offset of each parameter's state in the flat buffers
+    numel: int
+
+    @property
+    def nbytes(self) -> int:  # bytes of one state key's file / buffer, O_DIRECT-aligned
+        return round_up(self.numel * _F32)
+
+
+def split_sub_groups(params: list[nn.Parameter], sub_group_size: int) -> list[SubGroup]:
+    """Consecutive parameters, at most `sub_group_size` elements per group unless a single
+    parameter is larger (parameters are never split: they are already 1/N slices)."""
+    groups: list[SubGroup] = []
+    current: list[nn.Parameter] = []
+    numel = 0
+    for p in params:
+        if current and numel + p.numel() > max(1, sub_group_size):
+            groups.append(_make(len(groups), current))
+            current, numel = [], 0
+        current.append(p)
+        numel += p.numel()
+    if current:
+        groups.append(_make(len(groups), current))
+    return groups
+
+
+def _make(index: int, params: list[nn.Parameter]) -> SubGroup:
+    offsets, off = [], 0
+    for p in params:
+        offsets.append(off)
+        off += p.numel()
+    return SubGroup(index, list(params), offsets, off)
+
+
+def _views(flat: torch.Tensor, sg: SubGroup) -> list[torch.Tensor]:
+    return [flat[o : o + p.numel()].view(p.shape) for p, o in zip(sg.params, sg.offsets)]
+
+
+def _new_step() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32)  # what torch's Adam keeps as `step`
+
+
+# -- host memory ------------------------------------------------------------------------------
+class HostStore:
+    """Optimizer state in (pinned) host memory; `state` is a plain dict as in torch."""
+
+    tier = "host"
+
+    def __init__(self, rule, pin: bool):
+        self.rule = rule
+        self.pin = pin
+        self.state: dict[nn.Parameter, dict] = {}
+        self._flat: dict[int, dict[str, torch.Tensor]] = {}  # sub-group -> key -> buffer
+
+    def prefetch(self, sg: SubGroup, block: bool = True):
+        return sg
+
+    def acquire(self, sg: SubGroup, stepped: list[bool]) -> dict[str, list]:
+        if self.rule.zero_init and sg.index not in self._flat:
+            self._flat[sg.index] = {k: host_empty(sg.numel, pin=self.pin).zero_()
+                                    for k in self.rule.state_keys}
+        lists: dict[str, list] = {k: [] for k in self.rule.state_keys}
+        for i, (p, take) in enumerate(zip(sg.params, stepped)):
+            if not take:
+                continue
+            entry = self.state.get(p)
+            if entry is None:
+                entry = self.state[p] = self._fresh_entry(sg, i)
+            for k in self.rule.state_keys:
+                lists[k].append(entry.get(k))
+        return lists
+
+    def _fresh_entry(self, sg: SubGroup, i: int) -> dict:
+        entry: dict = {"step": _new_step()} if self.rule.counts_steps else {}
+        if self.rule.zero_init:
+            o, n = sg.offsets[i], sg.params[i].numel()
+            for k, flat in self._flat[sg.index].items():
+                entry[k] = flat[o : o + n].view(sg.params[i].shape)
+        return entry
+
+    def step_tensors(self, sg: SubGroup, stepped: list[bool]) -> list[torch.Tensor]:
+        if not self.rule.counts_steps:
+            return []
+        return [self.state[p]["step"] for p, take in zip(sg.params, stepped) if take]
+
+    def release(self, sg: SubGroup, stepped: list[bool], lists: dict[str, list]) -> None:
+        if self.rule.zero_init:
+            return
+        params = [p for p, take in zip(sg.params, stepped) if take]
+        for k, values in lists.items():  # state created by the step itself (SGD momentum)
+            for p, v in zip(params, values):
+                self.state[p][k] = v
+
+    def drain(self) -> None:
+        pass
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [v for entry in self.state.values() for v in entry.values()
+                if isinstance(v, torch.Tensor)]
+
+    def nvme_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+# -- swap files --------------------------------------------------------------------------------
+class BufferPool:
+    """A fixed number of aligned (pinned) host buffers shared by swap-ins and swap-outs.
+
+    A buffer being written out stays taken until its write completes; `take` reclaims
+    finished writes first and, when `block`, waits for the oldest one."""
+
+    def __init__(self, count: int, nbytes: int, pin: bool):
+        self.nbytes = nbytes
+        self.free = [host_empty(nbytes // _F32, pin=pin) for _ in range(count)]
+        self.count = count
+        self._busy: deque[tuple[list[IoRequest], list[torch.Tensor]]] = deque()
+
+    def take(self, n: int, block: bool) -> list[torch.Tensor] | None:
+        if n > self.count:
+            raise RuntimeError(f"a sub-group needs {n} swap buffers, the pool has {self.count}")
+        while self._busy and all(r.done() for r in self._busy[0][0]):
+            self._reclaim()
+        while len(self.free) < n:
+            if not block or not self._busy:
+                return None
+            self._reclaim()
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def give_back_after(self, requests: list[IoRequest], buffers: list[torch.Tensor]) -> None:
+        self._busy.append((requests, buffers))
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        self.free.extend(buffers)
+
+    def drain(self) -> None:
+        while self._busy:
+            self._reclaim()
+
+    def _reclaim(self) -> None:
+        requests, buffers = self._busy.popleft()
+        for r in requests:
+            r.wait()
+        self.free.extend(buffers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.free) + [b for _, bufs in self._busy for b in bufs]
+
+
+@dataclass
+class _Handle:
+    sg: SubGroup
+    buffers: dict[str, torch.Tensor]
+    reads: list[IoRequest]
+
+
+class SwapStore:
+    """Optimizer state in files under a swap directory, `buffer_count` buffers in memory.
+
+    Files: `sg<index>.<key>.swp`, one per sub-group and state key, `SubGroup.nbytes` long.
+    A sub-group none of whose parameters has stepped is not read: its buffers are zeroed
+    (Adam's initial state). `state` is a mapping that reads a parameter's state from its
+    files on access and writes it on assignment (checkpoints use it one parameter at a
+    time; iterating over all values reads everything)."""
+
+    tier = "nvme"
+
+    def __init__(self, rule, sub_groups: list[SubGroup], directory: str, engine: SwapEngine, *,
+                 buffer_count: int, pin: bool, preallocate: bool):
+        if not rule.zero_init:
+            raise ConfigError(["offload_optimizer.device \"nvme\" supports Adam and AdamW "
+                               "(state created as zeros); use device \"cpu\" for SGD"])
+        k = len(rule.state_keys)
+        if buffer_count < k:
+            raise ConfigError([f"offload_optimizer.buffer_count: {buffer_count} is fewer than the "
+                               f"{k} swap buffers one sub-group needs (one per optimizer state); "
+                               f"use at least {k}, and {2 * k} to overlap swapping with the update"])
+        self.rule = rule
+        self.dir = directory
+        self.engine = engine
+        self.sub_groups = sub_groups
+        self.group_of = {p: sg for sg in sub_groups for p in sg.params}
+        self.index_in = {p: i for sg in sub_groups for i, p in enumerate(sg.params)}
+        self.steps: dict[nn.Parameter, torch.Tensor] = {}
+        self.written: set[int] = set()  # sub-groups whose files hold state
+        nbytes = max((sg.nbytes for sg in sub_groups), default=0)
+        self.pool = BufferPool(buffer_count, nbytes, pin)
+        self.state = SwappedState(self)
+        self._check_space()
+        if preallocate:  # fail now, not mid-step, if the files cannot be created
+            for sg in sub_groups:
+                for key in rule.state_keys:
+                    _preallocate(self.path(sg, key), sg.nbytes)
+
+    def path(self, sg: SubGroup, key: str) -> str:
+        return os.path.join(self.dir, f"sg{sg.index}.{key}.swp")
+
+    def _check_space(self) -> None:
+        need = sum(sg.nbytes for sg in self.sub_groups) * len(self.rule.state_keys)
+        free = shutil.disk_usage(self.dir).free
+        if need > free:
+            raise ConfigError([f"offload_optimizer.nvme_path: {self.dir} has {free / 2**30:.1f} GiB "
+                               f"free, optimizer state needs {need / 2**30:.1f} GiB on this rank"])
+
+    # -- pipeline ---------------------------------------------------------------------------
+    def prefetch(self, sg: SubGroup, block: bool = True) -> _Handle | None:
+        buffers = self.pool.take(len(self.rule.state_keys), block)
+        if buffers is None:
+            return None
+        named = dict(zip(self.rule.state_keys, buffers))
+        reads = []
+        for key, buf in named.items():
+            region = buf[: sg.nbytes // _F32]
+            if sg.index in self.written:
+                reads.append(self.engine.read(region, self.path(sg, key)))
+            else:
+                region.zero_()
+        return _Handle(sg, named, reads)
+
+    def acquire(self, handle: _Handle, stepped: list[bool]) -> dict[str, list]:
+        for r in handle.reads:
+            r.wait()
+        sg = handle.sg
+        lists = {}
+        for key, buf in handle.buffers.items():
+            views = _views(buf, sg)
+            lists[key] = [v for v, take in zip(views, stepped) if take]
+        for p, take in zip(sg.params, stepped):
+            if take and p not in self.steps:
+                self.steps[p] = _new_step()
+        return lists
+
+    def step_tensors(self, sg: SubGroup, stepped: list[bool]) -> list[torch.Tensor]:
+        return [self.steps[p] for p, take in zip(sg.params, stepped) if take]
+
+    def release(self, handle: _Handle, stepped=None, lists=None) -> None:
+        sg = handle.sg
+        writes = [self.engine.write(buf[: sg.nbytes // _F32], self.path(sg, key))
+                  for key, buf in handle.buffers.items()]
+        self.written.add(sg.index)
+        self.pool.give_back_after(writes, list(handle.buffers.values()))
+
+    def drain(self) -> None:
+        self.pool.drain()
+
+    # -- single-parameter access (checkpoints) ------------------------------------------------
+    def read_param(self, p: nn.Parameter) -> dict:
+        sg, i = self.group_of[p], self.index_in[p]
+        out: dict = {"step": self.steps[p]}
+        for key in self.rule.state_keys:
+            t = torch.empty(p.numel(), dtype=torch.float32)
+            if sg.index in self.written:
+                self.engine.read(t, self.path(sg, key), sg.offsets[i] * _F32).wait()
+            else:
+                t.zero_()
+            out[key] = t.view(p.shape)
+        return out
+
+    def write_param(self, p: nn.Parameter, entry: dict) -> None:
+        sg, i = self.group_of[p], self.index_in[p]
+        if sg.index not in self.written:  # the rest of the sub-group starts as zeros
+            for key in self.rule.state_keys:
+                _preallocate(self.path(sg, key), sg.nbytes, zero=True)
+            self.written.add(sg.index)
+        for key in self.rule.state_keys:
+            t = entry[key].detach().to("cpu", torch.float32).contiguous().view(-1)
+            self.engine.write(t, self.path(sg, key), sg.offsets[i] * _F32).wait()
+        step = entry.get("step", 0)
+        self.steps[p] = torch.as_tensor(step, dtype=torch.float32).clone().reshape(())
+
+    # -- accounting ---------------------------------------------------------------------------
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return list(self.steps.values()) + self.pool.tensors()
+
+    def nvme_bytes(self) -> int:
+        total = 0
+        for entry in os.scandir(self.dir):
+            if entry.is_file():
+                total += entry.stat().st_size
+        return total
+
+    def close(self) -> None:
+        self.drain()
+
+
+def _preallocate(path: str, nbytes: int, zero: bool = False) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        if zero:
+            os.ftruncate(fd, 0)
+        if hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # reserves the blocks: ENOSPC now
+                return
+            except OSError as err:
+                if err.errno not in (95, 22):  # EOPNOTSUPP/EINVAL: not supported here
+                    raise
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+class SwappedState(MutableMapping):
+    """`optimizer.state` for swapped state: parameter -> {"step", "exp_avg", ...}.
+
+    Reading an entry reads that parameter's slices from its files (a copy: changing it
+    changes nothing on disk); assigning an entry writes them."""
+
+    def __init__(self, store: SwapStore):
+        self._store = store
+
+    def __getitem__(self, p):
+        if p not in self._store.steps:
+            raise KeyError(p)
+        return self._store.read_param(p)
+
+    def __setitem__(self, p, entry) -> None:
+        if p not in self._store.group_of:
+            raise KeyError("not a parameter of this optimizer")
+        self._store.write_param(p, entry)
+
+    def __delitem__(self, p) -> None:
+        del self._store.steps[p]
+
+    def __iter__(self) -> Iterator:
+        return iter(list(self._store.steps))
+
+    def __len__(self) -> int:
+        return len(self._store.steps)
+
+    def __contains__(self, p) -> bool:
+        return p in self._store.steps
