@@ -25,6 +25,7 @@ def main():
     parser = argparse.ArgumentParser(description="toy")
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--save_dir", type=str, default=None)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
@@ -50,6 +51,10 @@ def main():
             model_engine.step()
             first = loss.item() if first is None else first
             last = loss.item()
+    if args.save_dir:
+        model_engine.save_checkpoint(args.save_dir, client_state={"epoch": args.epochs})
+        path, client_state = model_engine.load_checkpoint(args.save_dir)
+        assert client_state["epoch"] == args.epochs, client_state
     if deepspeed.comm.get_rank() == 0:
         print(f"steps {model_engine.global_steps} lr {model_engine.get_lr()} first {first:.4f} last {last:.4f}")
         print("DS_STYLE_OK" if last < first else "DS_STYLE_NO_PROGRESS")

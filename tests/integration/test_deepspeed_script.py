@@ -28,10 +28,11 @@ def test_deepspeed_script_runs_under_meshspeed_run(tmp_path, stage):
     cfg.write_text(json.dumps(config))
     proc = subprocess.run(
         [sys.executable, "-m", "meshspeed.cli", "run", "--nproc-per-node", "2", str(SCRIPT),
-         "--deepspeed", "--deepspeed_config", str(cfg)],
+         "--deepspeed", "--deepspeed_config", str(cfg), "--save_dir", str(tmp_path / "ckpt")],
         capture_output=True, text=True, timeout=300, check=False, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DS_STYLE_OK" in proc.stdout, proc.stdout[-3000:]
     # 256 samples / (micro 8 x 2 ranks) = 16 micro-steps per epoch, 2 epochs, accumulation 2
     assert "steps 16 " in proc.stdout
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step16"

@@ -1,0 +1,40 @@
+"""ZeRO-Offload and ZeRO-Infinity: optimizer state, masters and gradients in host memory,
+optimizer state in swap files on NVMe.
+
+  placement.py  OffloadedZero: which of a ZeRO unit's tensors live on the host
+  optimizer.py  OffloadOptimizer: the step on the host, sub-group by sub-group
+  state.py      where the state lives between steps (host memory or swap files)
+  kernels.py    the update rules (torch's fused CPU Adam/AdamW, SGD)
+  aio.py        the swap engine (threaded, O_DIRECT where possible); swapdir.py its files
+  tiers.py      device / host / nvme byte accounting for engine.memory_breakdown()
+  setup.py      what meshspeed.initialize calls
+See docs/offload.md.
+"""
+
+from meshspeed.offload.aio import SwapEngine
+from meshspeed.offload.optimizer import BackgroundStep, OffloadOptimizer
+from meshspeed.offload.placement import OffloadedZero
+from meshspeed.offload.setup import apply_offload, check_offload, offload_optimizer
+from meshspeed.offload.tiers import TIERS, add_tiers, resident_state_tensors
+
+__all__ = [
+    "TIERS",
+    "BackgroundStep",
+    "OffloadOptimizer",
+    "OffloadedZero",
+    "SwapEngine",
+    "add_tiers",
+    "apply_offload",
+    "check_offload",
+    "flush",
+    "offload_optimizer",
+    "resident_state_tensors",
+]
+
+
+def flush(engine) -> None:
+    """With delayed_update: finish the running host step and publish it into the module's
+    parameters (call on every rank, e.g. before evaluation). A no-op otherwise."""
+    flush_strategy = getattr(engine.strategy, "flush", None)
+    if flush_strategy is not None:
+        flush_strategy()

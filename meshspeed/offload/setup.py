@@ -1,0 +1,199 @@
+"""Offload at initialize: check the config, wrap the strategy, wrap the optimizer.
+
+`meshspeed.initialize` calls, in order:
+  check_offload(cfg, client_optimizer)    -> ConfigError before anything is built
+  apply_offload(strategy, cfg)            -> the strategy, or OffloadedZero around it
+  offload_optimizer(optimizer, cfg, strategy) -> the optimizer, or OffloadOptimizer
+Each is the identity when the config offloads nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from meshspeed import comm
+from meshspeed.config.errors import ConfigError
+from meshspeed.offload.hostmem import available_host_bytes, local_world_size
+from meshspeed.offload.kernels import AdamRule, SgdRule
+from meshspeed.offload.placement import OffloadedZero
+from meshspeed.offload.swapdir import check_nvme_path
+
+log = logging.getLogger("meshspeed")
+
+_OO = "zero_optimization.offload_optimizer"
+_OP = "zero_optimization.offload_param"
+
+
+def _devices(cfg) -> tuple[str, str]:
+    z = cfg.zero_optimization
+    oo = z.offload_optimizer.device if z.offload_optimizer is not None else "none"
+    op = z.offload_param.device if z.offload_param is not None else "none"
+    return oo, op
+
+
+def offloads(cfg) -> bool:
+    return _devices(cfg) != ("none", "none")
+
+
+def check_offload(cfg, client_optimizer=None) -> None:
+    """Raise ConfigError for offload settings that cannot run, on every rank together."""
+    if not offloads(cfg):
+        return
+    problems = _problems(cfg, client_optimizer)
+    _agree(problems)
+
+
+def _problems(cfg, client_optimizer) -> list[str]:
+    z = cfg.zero_optimization
+    oo, op = _devices(cfg)
+    out = []
+    if oo != "none" and z.stage == 0:
+        out.append(f"{_OO}: needs ZeRO stage 1, 2 or 3 (got stage 0: every rank would step the "
+                   "whole optimizer); set zero_optimization.stage")
+    if op != "none" and z.stage != 3:
+        out.append(f"{_OP}: needs ZeRO stage 3 (got stage {z.stage}): only stage 3 keeps "
+                   "parameters as per-rank slices that can live off the device")
+    if op == "nvme":
+        out.append(f"{_OP}.device: \"nvme\" is not available yet (stage-3 parameter slices "
+                   "swap through a hook in ZeroUnit that is pending; see docs/offload.md); "
+                   "use \"cpu\"")
+    if op != "none" and get_device().type != "cpu":
+        out.append(f"{_OP}: on {get_device().type} this needs ZeroUnit.gather to stage the "
+                   "host shard onto the device (pending, docs/offload.md); use offload_optimizer")
+    if oo == "none":
+        if z.offload_optimizer is not None and z.offload_optimizer.delayed_update:
+            out.append(f"{_OO}.delayed_update: needs device \"cpu\" or \"nvme\"")
+        return out
+    o = z.offload_optimizer
+    if o.ratio != 1.0:
+        out.append(f"{_OO}.ratio: only 1.0 (the whole step on the host) is implemented "
+                   f"(got {o.ratio})")
+    if oo == "nvme":
+        try:
+            check_nvme_path(o.nvme_path, f"{_OO}.nvme_path")
+        except ConfigError as err:
+            out.extend(err.problems)
+    if client_optimizer is not None and (oo == "nvme" or o.delayed_update):
+        out.append(f"{_OO}: a client optimizer (initialize(optimizer=...)) runs on host masters "
+                   "with device \"cpu\" only; for \"nvme\" or delayed_update put the optimizer "
+                   "in the config")
+    if cfg.optimizer is not None and client_optimizer is None:
+        params = dict(cfg.optimizer.params)
+        if params.get("amsgrad"):
+            out.append("optimizer.params.amsgrad: not supported with offload_optimizer")
+        if oo == "nvme" and cfg.optimizer.type == "SGD":
+            out.append(f"{_OO}.device: \"nvme\" supports Adam and AdamW; use \"cpu\" for SGD")
+    return out
+
+
+def _agree(problems: list[str]) -> None:
+    """Every rank raises if any rank found a problem (a rank that went on alone would
+    wait forever in the strategy's first collective)."""
+    flag = torch.tensor(1.0 if problems else 0.0)
+    if comm.is_initialized() and comm.get_world_size() > 1:
+        comm.all_reduce(flag, op="max")
+    if problems:
+        raise ConfigError(problems)
+    if flag.item():
+        raise ConfigError(["zero_optimization: offload settings were refused on another rank "
+                           "(its error says why); every rank stops"])
+
+
+def get_device() -> torch.device:
+    from meshspeed.runtime.accelerator import get_accelerator
+    from meshspeed.runtime.distributed import get_local_rank
+
+    return get_accelerator().device(get_local_rank())
+
+
+def _pin(cfg) -> bool:
+    from meshspeed.runtime.accelerator import get_accelerator
+
+    z = cfg.zero_optimization
+    asked = any(t is not None and t.device != "none" and t.pin_memory
+                for t in (z.offload_optimizer, z.offload_param))
+    if asked and not get_accelerator().is_pin_available():
+        log.info("offload: pin_memory has no effect without an accelerator")
+    return asked and get_accelerator().is_pin_available()
+
+
+def apply_offload(strategy, cfg):
+    """The strategy with masters, their gradients and (stage 3) shards in host memory."""
+    if not offloads(cfg):
+        return strategy
+    oo, op = _devices(cfg)
+    o = cfg.zero_optimization.offload_optimizer
+    placed = OffloadedZero(strategy, device=get_device(), offload_optimizer=oo != "none",
+                           offload_param=op != "none", pin=_pin(cfg),
+                           delayed=oo != "none" and o.delayed_update)
+    if oo != "none":
+        _check_host_memory(placed, oo)
+    return placed
+
+
+def _check_host_memory(placed: OffloadedZero, tier: str) -> None:
+    """Pain point 19: fail at initialize, with numbers, rather than when the host OOMs."""
+    owned = sum(u.layout.shard_numel for u in placed.units)
+    need = owned * (4 + 4 + (8 if tier == "cpu" else 0))  # masters, grads, (Adam state)
+    free = available_host_bytes()
+    problems = []
+    if free is not None and need * local_world_size() > free:
+        problems.append(f"{_OO}: the {local_world_size()} rank(s) on this host need about "
+                        f"{need * local_world_size() / 2**30:.1f} GiB of host memory for "
+                        f"offloaded state, {free / 2**30:.1f} GiB is available; use device "
+                        "\"nvme\", more hosts, or a larger ZeRO degree")
+    _agree(problems)
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, cfg, strategy):
+    """The config's optimizer rebuilt as an `OffloadOptimizer` over the host masters."""
+    if not isinstance(strategy, OffloadedZero) or not strategy.offload_optimizer:
+        return optimizer
+    from meshspeed.offload.optimizer import OffloadOptimizer
+
+    z = cfg.zero_optimization
+    o = z.offload_optimizer
+    rule = _rule(optimizer)
+    if o.device == "cpu":
+        from meshspeed.offload.state import HostStore
+
+        def make_store(sub_groups):
+            return HostStore(rule, strategy.pin)
+    else:
+        def make_store(sub_groups):
+            return _swap_store(rule, sub_groups, cfg, strategy.pin)
+
+    return OffloadOptimizer(optimizer, rule, make_store, sub_group_size=z.sub_group_size,
+                            runner=strategy.runner)
+
+
+def _rule(optimizer: torch.optim.Optimizer):
+    d = optimizer.defaults
+    fused = d.get("fused")
+    fused = not d.get("foreach") if fused is None else bool(fused)  # default: fused
+    if isinstance(optimizer, torch.optim.SGD):
+        momentum = any(g["momentum"] != 0 for g in optimizer.param_groups)
+        return SgdRule(momentum=momentum, fused=fused)
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
+        return AdamRule(decoupled=decoupled, fused=fused)
+    raise ConfigError([f"{_OO}: {type(optimizer).__name__} cannot be offloaded (Adam, AdamW, SGD)"])
+
+
+def _swap_store(rule, sub_groups, cfg, pin: bool):
+    from meshspeed.offload.aio import SwapEngine
+    from meshspeed.offload.state import SwapStore
+    from meshspeed.offload.swapdir import SwapDir
+
+    o = cfg.zero_optimization.offload_optimizer
+    a = cfg.aio
+    swapdir = SwapDir(o.nvme_path, comm.get_rank() if comm.is_initialized() else 0)
+    engine = SwapEngine(block_size=a.block_size, queue_depth=a.queue_depth,
+                        thread_count=a.thread_count, single_submit=a.single_submit,
+                        overlap_events=a.overlap_events)
+    store = SwapStore(rule, sub_groups, swapdir.sub("optimizer"), engine,
+                      buffer_count=o.buffer_count, pin=pin, preallocate=not o.fast_init)
+    store.owner = swapdir  # the directory lives as long as the store
+    return store
