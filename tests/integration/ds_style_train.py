@@ -53,7 +53,7 @@ def main():
             last = loss.item()
     if args.save_dir:
         model_engine.save_checkpoint(args.save_dir, client_state={"epoch": args.epochs})
-        path, client_state = model_engine.load_checkpoint(args.save_dir)
+        _path, client_state = model_engine.load_checkpoint(args.save_dir)
         assert client_state["epoch"] == args.epochs, client_state
     if deepspeed.comm.get_rank() == 0:
         print(f"steps {model_engine.global_steps} lr {model_engine.get_lr()} first {first:.4f} last {last:.4f}")
