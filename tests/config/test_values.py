@@ -151,7 +151,7 @@ def test_deepspeed_defaults():
     zero = cfg.zero_optimization
     assert zero.stage == 0 and zero.reduce_bucket_size == 500_000_000
     assert zero.stage3_prefetch_bucket_size == 50_000_000
-    assert zero.stage3_param_persistence_threshold == 100_000
+    assert zero.stage3_param_persistence_threshold == 0  # meshspeed default (see config/zero.py)
     assert cfg.checkpoint.tag_validation == "Warn"
     assert (cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.thread_count) == (1048576, 8, 1)
 
