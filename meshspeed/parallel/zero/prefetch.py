@@ -66,7 +66,8 @@ class Fetcher:
         self.peak_gathered_bytes = 0
 
     def live_numel(self) -> int:
-        return sum(u.layout.numel for u in self.units if u.shard_params and u.state is ParamState.WHOLE)
+        return sum(u.layout.numel for u in self.units
+                   if u.shard_params and u.state is not ParamState.SHARDED)
 
     def start(self, direction: Pass) -> None:
         self.traces[direction].start()
@@ -81,22 +82,22 @@ class Fetcher:
         budget = self.prefetch_numel
         for nxt in upcoming:
             unit = self.units[nxt]
-            if unit.state is ParamState.WHOLE:
+            if unit.state is not ParamState.SHARDED:
                 continue
             if unit.layout.numel > budget or self.live_numel() + unit.layout.numel > self.max_live_numel:
                 break
-            unit.gather()
+            unit.gather_async()  # overlaps the running unit's compute
             budget -= unit.layout.numel
         self._note_peak()
 
     def release(self, index: int) -> None:
         unit = self.units[index]
-        if unit.state is ParamState.WHOLE:
+        if unit.state is not ParamState.SHARDED:
             unit.release()
 
     def release_all(self) -> None:
         for unit in self.units:
-            if unit.shard_params and unit.state is ParamState.WHOLE:
+            if unit.shard_params and unit.state is not ParamState.SHARDED:
                 unit.release()
 
     def _note_peak(self) -> None:

@@ -59,6 +59,7 @@ class Zero:
         self.unit_of = {id(p): unit for unit in self.units for p in unit.params}
         registry.register(module.parameters(), self)
         self.boundary = True
+        self._pending: list = []  # (unit, finish) of reduce-scatters in flight
         self.fetcher = None
         if self.spec.shard_params:
             self.fetcher = Fetcher(self.units, prefetch_numel, max_live_numel)
@@ -120,22 +121,31 @@ class Zero:
         self.tracker.arm(self.spec.reduce_every_micro_step)
 
     def _reduce_unit(self, index: int) -> None:
+        """The unit's gradients are complete: launch their reduce-scatter, which runs in
+        the background while backward continues, and free the full gradients (and, under
+        stage 3, the full parameters) right away."""
         unit = self.units[index]
-        shard = unit.reduce_scatter_grads([p.grad for p in unit.params])
-        unit.accumulate_grad_shard(shard)
+        self._pending.append((unit, unit.launch_reduce_scatter([p.grad for p in unit.params])))
         for p in unit.params:
             p.grad = None
         if unit.shard_params and index != getattr(self, "root_index", None):
             unit.release()
 
+    def _settle_reductions(self) -> None:
+        for unit, finish in self._pending:
+            unit.accumulate_grad_shard(finish())
+        self._pending.clear()
+
     def finish_backward(self) -> None:
         self.tracker.flush()
+        self._settle_reductions()
         if self.fetcher is not None:
             self.fetcher.finish(Pass.BACKWARD)
             self.fetcher.release_all()
         if not self.spec.reduce_every_micro_step and self.boundary:
             for index in range(len(self.units)):
                 self._reduce_unit(index)
+            self._settle_reductions()
 
     # -- step -----------------------------------------------------------------------------
     def prepare_step(self) -> list[nn.Parameter]:

@@ -25,6 +25,7 @@ from meshspeed.parallel.zero.layout import ParamLayout, UnitLayout
 
 class ParamState(enum.Enum):
     WHOLE = "whole"  # full parameters resident (stages 0-2, persistent params, gathered stage 3)
+    GATHERING = "gathering"  # an all-gather is in flight (prefetch); `gather()` completes it
     SHARDED = "sharded"  # only this rank's shard resident; params hold empty placeholders
 
 
@@ -92,6 +93,7 @@ class ZeroUnit:
         self.masters = self._make_masters()
         self.grad_shard: torch.Tensor | None = None  # fp32 (shard_numel,), owned slices only
         self.state = ParamState.WHOLE
+        self._pending = None  # (work, matrix) of an in-flight all-gather
         if shard_params:
             self.release()
         else:
@@ -145,9 +147,22 @@ class ZeroUnit:
 
     def gather(self) -> None:
         """Materialise full parameters from every rank's shard (stage 3)."""
-        if self.state is ParamState.WHOLE:
+        if self.state is ParamState.SHARDED:
+            self.gather_async()
+        if self.state is ParamState.GATHERING:
+            self._finish_gather()
+
+    def gather_async(self) -> None:
+        """Launch the all-gather (prefetch); the copy into the parameters waits for gather()."""
+        if self.state is not ParamState.SHARDED:
             return
-        matrix = self._all_gather(self.shard)
+        self._pending = self._all_gather(self.shard, async_op=True)
+        self.state = ParamState.GATHERING
+
+    def _finish_gather(self) -> None:
+        work, matrix = self._pending
+        work.wait()
+        self._pending = None
         for lay, p in zip(self.layout.params, self.params):
             p.untyped_storage().resize_(lay.numel * p.element_size())
             # `.data` does not share autograd's version counter: refilling the storage must
@@ -159,37 +174,59 @@ class ZeroUnit:
         """Drop full parameters, keeping only this rank's shard (stage 3)."""
         if not self.shard_params:
             raise RuntimeError(f"unit {self.name}: release() is only valid for sharded params")
+        if self.state is ParamState.GATHERING:  # prefetched but not used: let it land first
+            self._pending[0].wait()
+            self._pending = None
         for p in self.params:
             p.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
 
     def gathered_bytes(self) -> int:
+        """Bytes of full parameters resident or arriving (an in-flight prefetch buffer)."""
         if not self.shard_params or self.state is ParamState.SHARDED:
             return 0
+        if self.state is ParamState.GATHERING:
+            return self._pending[1].untyped_storage().nbytes()
         return sum(p.untyped_storage().nbytes() for p in self.params)
 
     # -- collectives ----------------------------------------------------------------------
-    def _all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+    def _all_gather(self, shard: torch.Tensor, async_op: bool = False):
         out = torch.empty(self.world, self.layout.shard_numel, dtype=shard.dtype, device=shard.device)
-        comm.all_gather_into_tensor(out.view(-1), shard, group=self.group)
-        return out
+        work = comm.all_gather_into_tensor(out.view(-1), shard, group=self.group, async_op=async_op)
+        return (work, out) if async_op else out
 
     def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """Average full gradients over the group and return this rank's shard.
+        """Average full gradients over the group and return this rank's shard."""
+        return self.launch_reduce_scatter(grads, async_op=False)()
+
+    def launch_reduce_scatter(self, grads: list[torch.Tensor | None], async_op: bool = True):
+        """Start reducing full gradients; returns a callable that waits and yields this
+        rank's shard, averaged over the group.
 
         The reduction runs in `comm_dtype` (fp32 unless configured otherwise); the shard
         is kept in the parameters' dtype, so bf16 training holds 2 bytes per owned
         gradient element, as in the paper's accounting. Missing gradients (unused or
-        frozen parameters) contribute zeros."""
-        matrix = torch.zeros(
-            self.world, self.layout.shard_numel, dtype=self.comm_dtype, device=self.device
-        )
+        frozen parameters) contribute zeros. The full gradients may be freed as soon as
+        this returns: they have been copied into the send buffer."""
+        matrix = torch.empty(self.world, self.layout.shard_numel, dtype=self.comm_dtype, device=self.device)
         for lay, g in zip(self.layout.params, grads):
-            if g is not None:
-                scatter_into_matrix(matrix, lay, g.detach().reshape(-1))
+            if g is None:
+                matrix[:, lay.offset : lay.offset + lay.chunk].zero_()
+                continue
+            if lay.padding:  # rows from the first partial one on hold padding cells
+                matrix[lay.numel // lay.chunk :, lay.offset : lay.offset + lay.chunk].zero_()
+            scatter_into_matrix(matrix, lay, g.detach().reshape(-1))
         out = torch.empty(self.layout.shard_numel, dtype=self.comm_dtype, device=self.device)
-        comm.reduce_scatter_tensor(out, matrix.view(-1), group=self.group)
-        return out.div_(self.world).to(self.dtype)
+        work = comm.reduce_scatter_tensor(out, matrix.view(-1), group=self.group, async_op=async_op)
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            del matrix_ref[:]
+            return out.div_(self.world).to(self.dtype)
+
+        matrix_ref = [matrix]  # the send buffer lives until the reduction is done
+        return finish
 
     def accumulate_grad_shard(self, shard: torch.Tensor) -> None:
         if self.grad_shard is None:
