@@ -8,6 +8,7 @@ the empty placeholders of released parameters), and no rank holds the whole mode
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 
@@ -18,21 +19,18 @@ from meshspeed.checkpoint.agree import agree
 from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
 from meshspeed.checkpoint.snapshot import persistent_buffers, tied_aliases
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
+from meshspeed.parallel.buckets import split_by_numel
 from meshspeed.zero import GatheredParameters
 
 GATHER_NUMEL = 2**26  # parameters gathered together (at least the largest one)
 
 
-def _groups(named: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
-    budget = max([GATHER_NUMEL] + [p.numel() for _, p in named])
-    groups, current, size = [], [], 0
-    for name, p in named:
-        if current and size + p.numel() > budget:
-            groups.append(current)
-            current, size = [], 0
-        current.append((name, p))
-        size += p.numel()
-    return groups + ([current] if current else [])
+def _groups(named: list[tuple[str, nn.Parameter]], shapes: dict[str, tuple[int, ...]]
+            ) -> list[list[tuple[str, nn.Parameter]]]:
+    """Consecutive parameters of at most GATHER_NUMEL elements (full sizes)."""
+    numel = {name: math.prod(shape) for name, shape in shapes.items()}
+    return split_by_numel(named, max([GATHER_NUMEL, *numel.values()]),
+                          numel=lambda item: numel[item[0]])
 
 
 def _open(path: str, specs: list[Spec]) -> TensorFileWriter:
@@ -53,9 +51,11 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     for alias, name in tied_aliases(module).items():
         aliases_of[name].append(alias)
     buffers = persistent_buffers(module)
+    # full shapes from the strategy: a released ZeRO-3 parameter has numel 0 until gathered
+    shapes = {s.name: tuple(s.shape) for s in engine.strategy.owned_slices()}
     specs = []
     for name, p in named:
-        specs += [Spec(n, p.dtype, tuple(p.shape)) for n in [name, *aliases_of[name]]]
+        specs += [Spec(n, p.dtype, shapes[name]) for n in [name, *aliases_of[name]]]
     specs += [Spec(n, b.dtype, tuple(b.shape)) for n, b in buffers.items()]
     path = os.path.join(os.fspath(save_dir), save_filename)
     writer, error = None, None
@@ -64,7 +64,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
             writer = _open(path, specs)
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             error = err
-    for group in _groups(named):  # every rank joins every gather, even after a write error
+    for group in _groups(named, shapes):  # every rank joins every gather, even after a write error
         with GatheredParameters([p for _, p in group]):
             if writer is None or error is not None:
                 continue

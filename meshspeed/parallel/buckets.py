@@ -10,14 +10,14 @@ from torch import nn
 T = TypeVar("T")
 
 
-def split_by_numel(items: Iterable[T], limit: int, param=lambda item: item) -> list[list[T]]:
-    """Consecutive runs of `items` whose parameters hold at most `limit` elements each
-    (a single larger parameter forms a bucket of its own)."""
+def split_by_numel(items: Iterable[T], limit: int, numel=lambda item: item.numel()) -> list[list[T]]:
+    """Consecutive runs of `items` holding at most `limit` elements each, as counted by
+    `numel(item)` (a single larger item forms a bucket of its own)."""
     buckets: list[list[T]] = []
     current: list[T] = []
     size = 0
     for item in items:
-        n = param(item).numel()
+        n = numel(item)
         if current and size + n > limit:
             buckets.append(current)
             current, size = [], 0

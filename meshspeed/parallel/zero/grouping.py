@@ -39,7 +39,7 @@ class GroupingPlan:
 def bucket_units(module: nn.Module, bucket_numel: int) -> GroupingPlan:
     """Stages 1-2: consecutive parameters (reverse order) up to `bucket_numel` elements."""
     named = reversed(list(module.named_parameters()))
-    buckets = split_by_numel(named, bucket_numel, param=lambda item: item[1])
+    buckets = split_by_numel(named, bucket_numel, numel=lambda item: item[1].numel())
     return GroupingPlan([UnitPlan(f"bucket{i}", b) for i, b in enumerate(buckets)])
 
 

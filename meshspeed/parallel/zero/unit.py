@@ -90,6 +90,9 @@ class ZeroUnit:
         if shard_params:
             self._own_storage()
         self.shard = self._local_shard()  # compute-dtype shard, (shard_numel,)
+        # the full-size tensors whose storage a stage-3 unit frees and refills
+        self.full = [p.data for p in self.params] if shard_params else []
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self.masters = self._make_masters()
         self.grad_shard: torch.Tensor | None = None  # fp32 (shard_numel,), owned slices only
         self.state = ParamState.WHOLE
@@ -130,11 +133,13 @@ class ZeroUnit:
 
     # -- stage 3 lifecycle ----------------------------------------------------------------
     # Note [freeing storage, not swapping tensors]
-    # Released parameters keep their Tensor, shape and identity; only their storage is
-    # resized to zero bytes, and `gather` resizes it back and fills it. Autograd may have
-    # saved views of a parameter during forward (e.g. `weight.t()` inside linear); those
-    # views share the same storage, so they see the re-gathered values in backward and
-    # keep no stale copy alive in between.
+    # A released parameter keeps its identity; its full-size tensor (kept in `self.full`)
+    # has its storage resized to zero bytes, and the parameter itself points at an empty
+    # placeholder, as in DeepSpeed (numel 0 outside a gather: touching it is an ordinary
+    # size error, never a read of freed memory). `gather` resizes the same storage back,
+    # fills it and points the parameter at it again. Autograd may have saved views of the
+    # parameter in forward (e.g. `weight.t()` inside linear); they share that storage, so
+    # they see the re-gathered values in backward and keep no stale copy alive in between.
     def _own_storage(self) -> None:
         for p in self.params:
             if is_partitioned(p):
@@ -163,11 +168,12 @@ class ZeroUnit:
         work, matrix = self._pending
         work.wait()
         self._pending = None
-        for lay, p in zip(self.layout.params, self.params):
-            p.untyped_storage().resize_(lay.numel * p.element_size())
-            # `.data` does not share autograd's version counter: refilling the storage must
-            # not look like an in-place edit to tensors saved for backward
-            gather_from_matrix(matrix, lay, p.data.view(-1))
+        for lay, p, full in zip(self.layout.params, self.params, self.full):
+            full.untyped_storage().resize_(lay.numel * full.element_size())
+            # `full` is not the parameter, so autograd's version counter of the parameter
+            # does not move: refilling is not an in-place edit of a tensor saved for backward
+            gather_from_matrix(matrix, lay, full.view(-1))
+            p.data = full
         self.state = ParamState.WHOLE
 
     def release(self) -> None:
@@ -177,8 +183,9 @@ class ZeroUnit:
         if self.state is ParamState.GATHERING:  # prefetched but not used: let it land first
             self._pending[0].wait()
             self._pending = None
-        for p in self.params:
-            p.untyped_storage().resize_(0)
+        for p, full in zip(self.params, self.full):
+            full.untyped_storage().resize_(0)
+            p.data = self._placeholder
         self.state = ParamState.SHARDED
 
     def gathered_bytes(self) -> int:

@@ -32,6 +32,18 @@ def _engine(stage, precision="fp32", gas=1, **zero):
     return engine
 
 
+def _sizes():
+    """Parameter counts of the test model (released stage-3 parameters have numel 0)."""
+    model = GPT(CFG)
+    named = list(model.named_parameters())
+    return {
+        "psi": sum(p.numel() for _, p in named),
+        "tensors": len(named),
+        "root": sum(p.numel() for n, p in named if not n.startswith("layers.")),
+        "block": sum(p.numel() for p in model.layers[0].parameters()),
+    }
+
+
 def _batch():
     g = torch.Generator().manual_seed(comm.get_rank())
     tokens = torch.randint(0, CFG.vocab_size, (2, 17), generator=g)
@@ -49,8 +61,7 @@ def _breakdown_mid_accumulation(stage, precision):
         engine.step()
     engine.backward(engine(x, y))
     mem = engine.memory_breakdown()
-    psi = sum(p.numel() for p in engine.module.parameters())
-    n_tensors = len(list(engine.module.parameters()))
+    psi, n_tensors = _sizes()["psi"], _sizes()["tensors"]
     return mem, psi, n_tensors
 
 
@@ -91,9 +102,8 @@ def _step_volume(stage):
     with comm.CommCounter() as counter:
         engine.backward(engine(x, y))
         engine.step()
-    psi_bytes = 4 * sum(p.numel() for p in engine.module.parameters())
-    root = 4 * sum(p.numel() for n, p in engine.module.named_parameters() if not n.startswith("layers."))
-    return counter.summary(), psi_bytes, root
+    sizes = _sizes()
+    return counter.summary(), 4 * sizes["psi"], 4 * sizes["root"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -125,8 +135,7 @@ def _peak_gathered(max_live, prefetch):
     for _ in range(3):
         engine.backward(engine(x, y))
         engine.step()
-    block = 4 * sum(p.numel() for p in engine.module.layers[0].parameters())
-    root = 4 * sum(p.numel() for n, p in engine.module.named_parameters() if not n.startswith("layers."))
+    block, root = 4 * _sizes()["block"], 4 * _sizes()["root"]
     after = engine.memory_breakdown()["gathered_params"]
     return engine.peak_gathered_bytes(), block, root, after
 
