@@ -17,6 +17,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.offload import apply_offload, check_offload, offload_optimizer
 from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
 from meshspeed.optim.precision import build_scaler
 from meshspeed.parallel.data.ddp import DataParallel
@@ -62,11 +63,12 @@ def initialize(
     dp_group = None  # pure data parallelism over the whole world (other axes come later)
     dp_size = comm.get_world_size(dp_group)
     cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_world())
+    check_offload(cfg, client_optimizer=optimizer)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
 
     module = _cast(model, device, cfg.precision_dtype)
-    strategy = _build_strategy(module, dp_group, cfg)
+    strategy = apply_offload(_build_strategy(module, dp_group, cfg), cfg)
     opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     loader = None
@@ -148,9 +150,10 @@ def _build_optimizer(cfg, client, model_parameters, module, strategy):
             '(e.g. {"type": "AdamW", "params": {"lr": 3e-4}}) or pass initialize(optimizer=...)'
         )
     try:
-        return build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), groups)
+        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), groups)
     except (ValueError, TypeError) as err:
         raise ConfigError([str(err)]) from err
+    return offload_optimizer(opt, cfg, strategy)
 
 
 def _build_scheduler(cfg, client, optimizer):

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.engine.memory import count_bytes, optimizer_state_tensors
+from meshspeed.engine.memory import count_bytes
+from meshspeed.offload.tiers import add_tiers, resident_state_tensors
 from meshspeed.optim.clip import clip_by_norm_, global_grad_norm
 from meshspeed.optim.precision import unscale_and_check
 
@@ -161,12 +162,13 @@ class MeshspeedEngine(nn.Module):
             self.comm_logger.reset()
 
     def memory_breakdown(self) -> dict:
-        """Bytes resident on this rank by category (each storage counted once)."""
+        """Bytes held for this rank by category (each storage counted once), and under
+        "tiers" the same total split into "device", "host" and "nvme" (meshspeed/offload)."""
         tensors = self.strategy.memory_tensors()
-        tensors.setdefault("optimizer_state", optimizer_state_tensors(self.optimizer))
+        tensors.setdefault("optimizer_state", resident_state_tensors(self.optimizer))
         out = count_bytes(tensors)
         out["total"] = sum(out.values())
-        return out
+        return add_tiers(out, tensors, self.strategy, self.optimizer)
 
     def peak_gathered_bytes(self) -> int:
         return getattr(self.strategy, "peak_gathered_bytes", lambda: 0)()
@@ -203,4 +205,21 @@ class MeshspeedEngine(nn.Module):
         return self.train(False)
 
     def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
+        """The module's state_dict with real, whole tensors under every stage (under ZeRO-3
+        the parameters are gathered and copied: a collective, and a full copy in memory)."""
+        if not self.strategy_shards_params():
+            return self.module.state_dict(*args, **kwargs)
+        from meshspeed.zero import GatheredParameters
+
+        with GatheredParameters(list(self.module.parameters())):
+            return {k: v.detach().clone() for k, v in self.module.state_dict(*args, **kwargs).items()}
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load whole tensors into the module; under ZeRO-3 each rank keeps its slices."""
+        from meshspeed.zero import GatheredParameters
+
+        with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+            return self.module.load_state_dict(state_dict, strict=strict)
+
+    def strategy_shards_params(self) -> bool:
+        return bool(getattr(self.strategy, "spec", None) and self.strategy.spec.shard_params)

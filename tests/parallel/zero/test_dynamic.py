@@ -117,3 +117,32 @@ def test_gathered_parameters_modifier_rank_updates_every_copy():
             for seen, master in run_distributed(_modify, world_size=2, args=(stage, precision)):
                 assert torch.all(seen == 0.5), (stage, precision)
                 assert torch.all(master == 0.5), (stage, precision)
+
+
+def _released_and_state_dict():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "zero_optimization": {"stage": 3}})
+    weight = engine.module.layers[0].attn.wq.weight
+    outside = weight.numel()
+    try:  # a released parameter fails like an empty tensor, never reads freed memory
+        weight @ torch.ones(CFG.d_model)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    state = engine.state_dict()
+    twin = GPT(CFG)
+    engine.load_state_dict(twin.state_dict())
+    reloaded = engine.state_dict()
+    return outside, error, state, reference, reloaded, twin.state_dict()
+
+
+def test_released_parameters_are_empty_and_state_dict_is_whole():
+    outside, error, state, reference, reloaded, twin = run_distributed(_released_and_state_dict, world_size=2)[1]
+    assert outside == 0 and error is not None
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0)
+        torch.testing.assert_close(reloaded[name], twin[name], rtol=0, atol=0)
