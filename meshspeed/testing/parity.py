@@ -105,15 +105,21 @@ def reference_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tens
 def engine_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Runs on every rank of an initialised world of `setup.world` ranks."""
     import meshspeed
-    from meshspeed import comm
-
-    rank = comm.get_rank()
     model = build_model(setup)
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=copy.deepcopy(setup.ds_config()))
-    losses = []
+    return train_steps(engine, setup), full_state_dict(engine)
+
+
+def train_steps(engine, setup: ParitySetup, first: int = 0, last: int | None = None) -> list[float]:
+    """Optimizer steps [first, last) of the setup's batches on this rank's rows; returns
+    the global mean loss of each step."""
+    from meshspeed import comm
+
+    rank = comm.get_rank()
     rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
-    for batch in make_batches(setup):
+    losses = []
+    for batch in make_batches(setup)[first:last]:
         total = torch.zeros(())
         for micro in batch:
             tokens = micro[rows]
@@ -123,7 +129,7 @@ def engine_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]
             total += loss.detach().float()
         comm.all_reduce(total)
         losses.append(total.item() / (setup.world * setup.gas))
-    return losses, full_state_dict(engine)
+    return losses
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:

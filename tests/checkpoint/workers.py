@@ -9,7 +9,12 @@ import torch
 
 import meshspeed
 from meshspeed import comm
-from meshspeed.testing.parity import ParitySetup, build_model, full_state_dict, make_batches
+from meshspeed.testing.parity import (
+    ParitySetup,
+    build_model,
+    full_state_dict,
+    train_steps,
+)
 
 GLOBAL_ROWS = 12  # rows per optimizer step, whatever the world size (12 = 1*12 = 2*6 = 3*4 = 4*3)
 
@@ -27,20 +32,7 @@ def make_engine(setup: ParitySetup, seed: int = 0):
 
 def train(engine, setup: ParitySetup, first: int, last: int) -> list[float]:
     """Optimizer steps [first, last) of the setup's batches; the global mean loss of each."""
-    rank = comm.get_rank()
-    rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
-    losses = []
-    for batch in make_batches(setup)[first:last]:
-        total = torch.zeros(())
-        for micro in batch:
-            tokens = micro[rows]
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        comm.all_reduce(total)
-        losses.append(total.item() / (setup.world * setup.gas))
-    return losses
+    return train_steps(engine, setup, first, last)
 
 
 def counters(engine) -> dict:
