@@ -26,6 +26,7 @@ __all__ = [
     "add_tiers",
     "apply_offload",
     "check_offload",
+    "close",
     "flush",
     "offload_optimizer",
     "resident_state_tensors",
@@ -38,3 +39,12 @@ def flush(engine) -> None:
     flush_strategy = getattr(engine.strategy, "flush", None)
     if flush_strategy is not None:
         flush_strategy()
+
+
+def close(engine) -> None:
+    """Finish background work and remove this rank's swap files now (they are removed at
+    exit or when the engine is garbage collected otherwise)."""
+    for owner in (engine.optimizer, engine.strategy):
+        close_owner = getattr(owner, "close", None)
+        if close_owner is not None and isinstance(owner, OffloadOptimizer | OffloadedZero):
+            close_owner()

@@ -3,7 +3,7 @@
 Alignment: O_DIRECT reads and writes need the buffer address, the file offset and the
 length to be multiples of the device's logical block size; 4096 covers every NVMe and
 ext4/xfs setup in practice. torch's CPU allocator only guarantees 64 bytes, so
-`host_empty` over-allocates one alignment unit and returns an aligned view (the base
+`host_empty(..., align=ALIGN)` over-allocates one alignment unit and returns an aligned view (the base
 stays alive through the view).
 
 Pinning: page-locked memory is only useful for (and only granted by) an accelerator
@@ -28,11 +28,15 @@ def round_up(nbytes: int, align: int = ALIGN) -> int:
 
 
 def host_empty(numel: int, dtype: torch.dtype = torch.float32, *, pin: bool = False,
-               align: int = ALIGN) -> torch.Tensor:
-    """An uninitialised 1-D host tensor whose data pointer is a multiple of `align`."""
+               align: int = 64) -> torch.Tensor:
+    """An uninitialised 1-D host tensor whose data pointer is a multiple of `align` (64, the
+    allocator's own alignment, costs nothing; swap buffers ask for `ALIGN`)."""
+    pin = pin and _pin_ok()
+    if align <= 64:
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
-    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin and _pin_ok())
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % align
     return raw[start : start + nbytes].view(dtype)
 

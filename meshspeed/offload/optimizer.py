@@ -120,7 +120,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._run(work, options)
         else:
             self.runner.submit(self._run, work, options)
-        return None
 
     def wait(self) -> None:
         if self.runner is not None:
@@ -148,10 +147,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for j, p in enumerate(params):
             by_group[self._group_of[p]].append(j)
         for gi, idx in by_group.items():
-            pick = lambda xs: [xs[j] for j in idx]  # noqa: E731
-            sub_state = {k: pick(v) for k, v in state.items()}
-            self.rule.step(pick(params), pick(item.grads), sub_state,
-                           pick(steps) if steps else [], options[gi])
+            sub_state = {k: _pick(v, idx) for k, v in state.items()}
+            self.rule.step(_pick(params, idx), _pick(item.grads, idx), sub_state,
+                           _pick(steps, idx) if steps else [], options[gi])
             for k, values in sub_state.items():  # state the step created (SGD momentum)
                 for j, v in zip(idx, values):
                     state[k][j] = v
@@ -204,3 +202,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.runner is not None:
             self.runner.close()
         self._state_store.close()
+
+
+def _pick(values: list, idx: list[int]) -> list:
+    return [values[j] for j in idx]

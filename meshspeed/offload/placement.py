@@ -6,7 +6,10 @@ What moves, per ZeRO unit (see meshspeed/parallel/zero/unit.py for the unit itse
   unit's `masters` view; `publish_masters` then copies host -> device parameters.
 - the gradient shard the optimizer consumes -> a host fp32 buffer per unit, copied
   (non-blocking, into pinned memory where possible) at `prepare_step`, unit by unit.
-- stage 3 with `offload_param`: the unit's parameter shard is host-tier state.
+- stage 3 with `offload_param`: the unit's parameter shard moves into a shard store
+  (param.py: host memory or a swap file) that ZeroUnit reads for each gather, through
+  its `shard_store` hook; without that hook, on a CPU-only machine, the shard stays
+  where it is and is accounted as host tier.
 
 Note [offload on a CPU-only machine]
 When the compute device is the CPU itself, "moving to host" is a relabelling: an fp32
@@ -52,22 +55,33 @@ class OffloadedZero:
     strategy's, reached through attribute delegation."""
 
     def __init__(self, inner, *, device: torch.device, offload_optimizer: bool,
-                 offload_param: bool, pin: bool, delayed: bool):
+                 offload_param: str, pin: bool, delayed: bool, make_shard_store=None):
         self.inner = inner
         self.device = device
         self.pin = pin
         self.offload_optimizer = offload_optimizer
-        self.offload_param = offload_param
+        self.offload_param = offload_param != "none"
         self.runner = BackgroundStep() if delayed else None
         self._published = True  # masters and parameters agree
         on_host = device.type == "cpu"
         self._host: list[torch.Tensor] = []  # storages that are host tier by placement
         self._host_grads: dict[int, torch.Tensor] = {}
+        sharded = [u for u in inner.units if u.shard_params]
+        # a shard that leaves this memory (to a file, or from a device to the host) cannot
+        # stay the fp32 master it was in fp32 training: masters get their own host buffer
+        shards_move = offload_param == "nvme" or (offload_param == "cpu" and not on_host)
+        separate = delayed or not on_host or shards_move
         for unit in inner.units:
-            if offload_optimizer:
-                self._place_masters(unit, copy=delayed or not on_host)
-            if offload_param and unit.shard_params:
-                self._host.append(unit.shard)  # on CPU: already host memory (module note)
+            if offload_optimizer or (shards_move and unit.shard_params):
+                self._place_masters(unit, copy=separate)
+        self.shard_store = None
+        self.swap_dirs: dict[str, object] = {}  # nvme_path -> this rank's SwapDir there
+        if self.offload_param and make_shard_store is not None:
+            self.shard_store = make_shard_store(self, sharded)
+            for unit in sharded:
+                unit.shard_store = self.shard_store
+        elif self.offload_param:  # no hook in ZeroUnit: CPU only (setup.py), shards already host
+            self._host.extend(u.shard for u in sharded)
 
     def __getattr__(self, name):  # only called for names not defined here
         return getattr(self.__dict__["inner"], name)
@@ -76,13 +90,18 @@ class OffloadedZero:
     def _place_masters(self, unit, copy: bool) -> None:
         """Point the unit's masters at one host buffer (Note [offload on a CPU-only machine])."""
         if unit.master_buffer is None and not copy:
-            self._host.extend(m for m in unit.masters)  # fp32 alias of the parameter slice
-            return
+            return  # fp32 on the CPU: the master is the parameter's own slice (counted there)
         buf = host_empty(unit.layout.shard_numel, torch.float32, pin=self.pin).zero_()
-        for lay, m in zip(unit.layout.params, unit.masters):
+        for i, (lay, p, m) in enumerate(zip(unit.layout.params, unit.params, unit.masters)):
             view = buf[lay.offset : lay.offset + m.numel()]
             view.copy_(m.detach())
-            m.data = view  # the same Parameter (optimizer and checkpoints key on it), new storage
+            # A new Parameter, not `m.data = view`: a master made from a slice of its
+            # parameter shares the parameter's autograd version counter, and a host step
+            # running during the next backward (delayed update) would then look like an
+            # in-place edit of a tensor saved for backward.
+            fresh = nn.Parameter(view, requires_grad=m.requires_grad)
+            unit.masters[i] = fresh
+            self.inner.master_of[id(p)] = fresh  # the optimizer is built from this map
         unit.master_buffer = buf
         self._host.append(buf)
 
@@ -162,8 +181,28 @@ class OffloadedZero:
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Tensors that are host tier by placement (see meshspeed/offload/tiers.py)."""
-        return list(self._host)
+        shards = [] if self.shard_store is None else self.shard_store.host_tensors(
+            [u for u in self.inner.units if u.shard_params])
+        return list(self._host) + shards
+
+    def swap_dir(self, nvme_path: str):
+        """This rank's swap directory under `nvme_path` (one per path, shared by owners)."""
+        if nvme_path not in self.swap_dirs:
+            from meshspeed import comm
+            from meshspeed.offload.swapdir import SwapDir
+
+            rank = comm.get_rank() if comm.is_initialized() else 0
+            self.swap_dirs[nvme_path] = SwapDir(nvme_path, rank)
+        return self.swap_dirs[nvme_path]
+
+    def nvme_bytes(self) -> dict[str, int]:
+        return {} if self.shard_store is None else {"params": self.shard_store.nvme_bytes()}
 
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+        close = getattr(self.shard_store, "close", None)
+        if close is not None:
+            close()
+        for swapdir in self.swap_dirs.values():
+            swapdir.close()

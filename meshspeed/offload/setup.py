@@ -17,6 +17,7 @@ from meshspeed import comm
 from meshspeed.config.errors import ConfigError
 from meshspeed.offload.hostmem import available_host_bytes, local_world_size
 from meshspeed.offload.kernels import AdamRule, SgdRule
+from meshspeed.offload.param import supports_shard_store
 from meshspeed.offload.placement import OffloadedZero
 from meshspeed.offload.swapdir import check_nvme_path
 
@@ -39,10 +40,10 @@ def offloads(cfg) -> bool:
 
 def check_offload(cfg, client_optimizer=None) -> None:
     """Raise ConfigError for offload settings that cannot run, on every rank together."""
-    if not offloads(cfg):
-        return
-    problems = _problems(cfg, client_optimizer)
-    _agree(problems)
+    z = cfg.zero_optimization
+    if z.offload_optimizer is None and z.offload_param is None:
+        return  # the same on every rank: either all ranks agree below or none does
+    _agree(_problems(cfg, client_optimizer))
 
 
 def _problems(cfg, client_optimizer) -> list[str]:
@@ -55,13 +56,21 @@ def _problems(cfg, client_optimizer) -> list[str]:
     if op != "none" and z.stage != 3:
         out.append(f"{_OP}: needs ZeRO stage 3 (got stage {z.stage}): only stage 3 keeps "
                    "parameters as per-rank slices that can live off the device")
-    if op == "nvme":
-        out.append(f"{_OP}.device: \"nvme\" is not available yet (stage-3 parameter slices "
-                   "swap through a hook in ZeroUnit that is pending; see docs/offload.md); "
-                   "use \"cpu\"")
-    if op != "none" and get_device().type != "cpu":
-        out.append(f"{_OP}: on {get_device().type} this needs ZeroUnit.gather to stage the "
-                   "host shard onto the device (pending, docs/offload.md); use offload_optimizer")
+    hook = supports_shard_store()
+    if op == "nvme" and not hook:
+        out.append(f"{_OP}.device: \"nvme\" needs ZeroUnit's shard_store hook, which this "
+                   "build lacks (docs/offload.md); use \"cpu\"")
+    if op == "nvme" and oo == "none":
+        out.append(f"{_OP}.device: \"nvme\" needs offload_optimizer (\"cpu\" or \"nvme\"): "
+                   "the fp32 masters must live apart from the swapped shards")
+    if op == "nvme" and hook:
+        try:
+            check_nvme_path(z.offload_param.nvme_path, f"{_OP}.nvme_path")
+        except ConfigError as err:
+            out.extend(err.problems)
+    if op != "none" and not hook and get_device().type != "cpu":
+        out.append(f"{_OP}: on {get_device().type} this needs ZeroUnit's shard_store hook "
+                   "(docs/offload.md); use offload_optimizer")
     if oo == "none":
         if z.offload_optimizer is not None and z.offload_optimizer.delayed_update:
             out.append(f"{_OO}.delayed_update: needs device \"cpu\" or \"nvme\"")
@@ -93,12 +102,13 @@ def _agree(problems: list[str]) -> None:
     wait forever in the strategy's first collective)."""
     flag = torch.tensor(1.0 if problems else 0.0)
     if comm.is_initialized() and comm.get_world_size() > 1:
+        flag = flag.to(get_device())  # NCCL reduces device tensors only
         comm.all_reduce(flag, op="max")
     if problems:
         raise ConfigError(problems)
     if flag.item():
-        raise ConfigError(["zero_optimization: offload settings were refused on another rank "
-                           "(its error says why); every rank stops"])
+        raise ConfigError([("zero_optimization: offload settings were refused on another rank "
+                           "(its error says why); every rank stops")])
 
 
 def get_device() -> torch.device:
@@ -126,11 +136,36 @@ def apply_offload(strategy, cfg):
     oo, op = _devices(cfg)
     o = cfg.zero_optimization.offload_optimizer
     placed = OffloadedZero(strategy, device=get_device(), offload_optimizer=oo != "none",
-                           offload_param=op != "none", pin=_pin(cfg),
-                           delayed=oo != "none" and o.delayed_update)
+                           offload_param=op, pin=_pin(cfg),
+                           delayed=oo != "none" and o.delayed_update,
+                           make_shard_store=_shard_store_factory(cfg, op))
     if oo != "none":
         _check_host_memory(placed, oo)
     return placed
+
+
+def _shard_store_factory(cfg, op: str):
+    """How stage-3 shards are stored (param.py), or None where ZeroUnit has no hook."""
+    if op == "none" or not supports_shard_store():
+        return None
+    from meshspeed.offload.param import HostShardStore, NvmeShardStore
+
+    p = cfg.zero_optimization.offload_param
+    if op == "cpu":
+        return lambda placed, units: HostShardStore(units, pin=placed.pin)
+
+    def make(placed, units):
+        from meshspeed.offload.aio import SwapEngine
+
+        a = cfg.aio
+        engine = SwapEngine(block_size=a.block_size, queue_depth=a.queue_depth,
+                            thread_count=a.thread_count, single_submit=a.single_submit,
+                            overlap_events=a.overlap_events)
+        return NvmeShardStore(units, placed.swap_dir(p.nvme_path).sub("params"), engine,
+                              buffer_count=p.buffer_count, buffer_numel=p.buffer_size,
+                              pin=placed.pin)
+
+    return make
 
 
 def _check_host_memory(placed: OffloadedZero, tier: str) -> None:
@@ -163,7 +198,7 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, cfg, strategy):
             return HostStore(rule, strategy.pin)
     else:
         def make_store(sub_groups):
-            return _swap_store(rule, sub_groups, cfg, strategy.pin)
+            return _swap_store(rule, sub_groups, cfg, strategy)
 
     return OffloadOptimizer(optimizer, rule, make_store, sub_group_size=z.sub_group_size,
                             runner=strategy.runner)
@@ -182,18 +217,17 @@ def _rule(optimizer: torch.optim.Optimizer):
     raise ConfigError([f"{_OO}: {type(optimizer).__name__} cannot be offloaded (Adam, AdamW, SGD)"])
 
 
-def _swap_store(rule, sub_groups, cfg, pin: bool):
+def _swap_store(rule, sub_groups, cfg, strategy):
     from meshspeed.offload.aio import SwapEngine
     from meshspeed.offload.state import SwapStore
-    from meshspeed.offload.swapdir import SwapDir
 
     o = cfg.zero_optimization.offload_optimizer
     a = cfg.aio
-    swapdir = SwapDir(o.nvme_path, comm.get_rank() if comm.is_initialized() else 0)
+    swapdir = strategy.swap_dir(o.nvme_path)
     engine = SwapEngine(block_size=a.block_size, queue_depth=a.queue_depth,
                         thread_count=a.thread_count, single_submit=a.single_submit,
                         overlap_events=a.overlap_events)
     store = SwapStore(rule, sub_groups, swapdir.sub("optimizer"), engine,
-                      buffer_count=o.buffer_count, pin=pin, preallocate=not o.fast_init)
+                      buffer_count=o.buffer_count, pin=strategy.pin, preallocate=not o.fast_init)
     store.owner = swapdir  # the directory lives as long as the store
     return store

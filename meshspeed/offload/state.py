@@ -25,7 +25,7 @@ from torch import nn
 
 from meshspeed.config.errors import ConfigError
 from meshspeed.offload.aio import IoRequest, SwapEngine
-from meshspeed.offload.hostmem import host_empty, round_up
+from meshspeed.offload.hostmem import ALIGN, host_empty, round_up
 
 _F32 = 4  # bytes per state element: optimizer state is fp32
 
@@ -149,7 +149,7 @@ class BufferPool:
 
     def __init__(self, count: int, nbytes: int, pin: bool):
         self.nbytes = nbytes
-        self.free = [host_empty(nbytes // _F32, pin=pin) for _ in range(count)]
+        self.free = [host_empty(nbytes // _F32, pin=pin, align=ALIGN) for _ in range(count)]
         self.count = count
         self._busy: deque[tuple[list[IoRequest], list[torch.Tensor]]] = deque()
 
@@ -206,13 +206,13 @@ class SwapStore:
     def __init__(self, rule, sub_groups: list[SubGroup], directory: str, engine: SwapEngine, *,
                  buffer_count: int, pin: bool, preallocate: bool):
         if not rule.zero_init:
-            raise ConfigError(["offload_optimizer.device \"nvme\" supports Adam and AdamW "
-                               "(state created as zeros); use device \"cpu\" for SGD"])
+            raise ConfigError([("offload_optimizer.device \"nvme\" supports Adam and AdamW "
+                               "(state created as zeros); use device \"cpu\" for SGD")])
         k = len(rule.state_keys)
         if buffer_count < k:
-            raise ConfigError([f"offload_optimizer.buffer_count: {buffer_count} is fewer than the "
+            raise ConfigError([(f"offload_optimizer.buffer_count: {buffer_count} is fewer than the "
                                f"{k} swap buffers one sub-group needs (one per optimizer state); "
-                               f"use at least {k}, and {2 * k} to overlap swapping with the update"])
+                               f"use at least {k}, and {2 * k} to overlap swapping with the update")])
         self.rule = rule
         self.dir = directory
         self.engine = engine
@@ -224,6 +224,7 @@ class SwapStore:
         nbytes = max((sg.nbytes for sg in sub_groups), default=0)
         self.pool = BufferPool(buffer_count, nbytes, pin)
         self.state = SwappedState(self)
+        self.owner = None  # keeps the directory (a SwapDir) alive as long as the store
         self._check_space()
         if preallocate:  # fail now, not mid-step, if the files cannot be created
             for sg in sub_groups:
@@ -237,8 +238,8 @@ class SwapStore:
         need = sum(sg.nbytes for sg in self.sub_groups) * len(self.rule.state_keys)
         free = shutil.disk_usage(self.dir).free
         if need > free:
-            raise ConfigError([f"offload_optimizer.nvme_path: {self.dir} has {free / 2**30:.1f} GiB "
-                               f"free, optimizer state needs {need / 2**30:.1f} GiB on this rank"])
+            raise ConfigError([(f"offload_optimizer.nvme_path: {self.dir} has {free / 2**30:.1f} GiB "
+                               f"free, optimizer state needs {need / 2**30:.1f} GiB on this rank")])
 
     # -- pipeline ---------------------------------------------------------------------------
     def prefetch(self, sg: SubGroup, block: bool = True) -> _Handle | None:
@@ -319,6 +320,7 @@ class SwapStore:
 
     def close(self) -> None:
         self.drain()
+        self.engine.close()
 
 
 def _preallocate(path: str, nbytes: int, zero: bool = False) -> None:

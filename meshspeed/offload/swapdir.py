@@ -23,8 +23,8 @@ def check_nvme_path(path: str | None, key: str) -> None:
         raise ConfigError([f"{key}: required when device is \"nvme\""])
     if not os.path.isdir(path):
         hint = "it does not exist" if not os.path.exists(path) else "it is not a directory"
-        raise ConfigError([f"{key}: {path!r} cannot hold swap files: {hint}; create it "
-                           "(on a fast local disk) or point nvme_path elsewhere"])
+        raise ConfigError([(f"{key}: {path!r} cannot hold swap files: {hint}; create it "
+                           "(on a fast local disk) or point nvme_path elsewhere")])
     try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".meshspeed-probe-"):
             pass

@@ -46,10 +46,11 @@ def add_tiers(out: dict, tensors: dict, strategy, optimizer) -> dict:
             seen.add(_key(t))
             on_host = _key(t) in host_keys or (t.device.type == "cpu" and not cpu_device)
             tiers["host" if on_host else "device"] += t.untyped_storage().nbytes()
-    nvme = getattr(optimizer, "nvme_bytes", None)
-    for cat, nbytes in (nvme() if nvme is not None else {}).items():
-        out[cat] = out.get(cat, 0) + nbytes
-        tiers["nvme"] += nbytes
+    for owner in (strategy, optimizer):
+        nvme = getattr(owner, "nvme_bytes", None)
+        for cat, nbytes in (nvme() if nvme is not None else {}).items():
+            out[cat] = out.get(cat, 0) + nbytes
+            tiers["nvme"] += nbytes
     out["total"] = sum(out[c] for c in CATEGORIES if c in out)
     out["tiers"] = tiers
     return out

@@ -66,6 +66,11 @@ class ZeroUnit:
     into a separate fp32 master buffer (bf16/fp16 training).
     """
 
+    # Where a stage-3 shard lives between uses when not in `self.shard` (host memory or a
+    # swap file; meshspeed/offload/param.py sets it): fetch(unit) -> shard on the device,
+    # done(unit) after the all-gather, write(unit, values). None: `self.shard` holds it.
+    shard_store = None
+
     def __init__(
         self,
         name: str,
@@ -161,13 +166,16 @@ class ZeroUnit:
         """Launch the all-gather (prefetch); the copy into the parameters waits for gather()."""
         if self.state is not ParamState.SHARDED:
             return
-        self._pending = self._all_gather(self.shard, async_op=True)
+        shard = self.shard if self.shard_store is None else self.shard_store.fetch(self)
+        self._pending = self._all_gather(shard, async_op=True)
         self.state = ParamState.GATHERING
 
     def _finish_gather(self) -> None:
         work, matrix = self._pending
         work.wait()
         self._pending = None
+        if self.shard_store is not None:
+            self.shard_store.done(self)
         for lay, p, full in zip(self.layout.params, self.params, self.full):
             full.untyped_storage().resize_(lay.numel * full.element_size())
             # `full` is not the parameter, so autograd's version counter of the parameter
@@ -183,6 +191,8 @@ class ZeroUnit:
         if self.state is ParamState.GATHERING:  # prefetched but not used: let it land first
             self._pending[0].wait()
             self._pending = None
+            if self.shard_store is not None:
+                self.shard_store.done(self)
         for p, full in zip(self.params, self.full):
             full.untyped_storage().resize_(0)
             p.data = self._placeholder
@@ -260,15 +270,21 @@ class ZeroUnit:
         rebuild this rank's shard and fp32 master slices from them."""
         fresh = self._local_shard()
         if self.shard is not None:
-            self.shard.copy_(fresh)
+            self._write_shard(fresh)
         if self.master_buffer is not None:
             self.master_buffer.copy_(fresh)
+
+    def _write_shard(self, values: torch.Tensor) -> None:
+        if self.shard_store is None:
+            self.shard.copy_(values)
+        else:
+            self.shard_store.write(self, values)
 
     def publish_masters(self) -> None:
         """After the optimizer step: propagate updated master slices to the parameters."""
         if self.shard_params:
             if self.master_buffer is not None:
-                self.shard.copy_(self.master_buffer)  # fp32 master -> compute-dtype shard
+                self._write_shard(self.master_buffer)  # fp32 master -> compute-dtype shard
             if self.state is ParamState.WHOLE:  # a gathered unit would now be stale
                 self.release()
             return

@@ -1,0 +1,192 @@
+"""Functions the offload tests run on gloo ranks (module level: they travel by reference)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+
+import torch
+
+from meshspeed.offload import close
+from meshspeed.testing.parity import (
+    ParitySetup,
+    build_model,
+    engine_run,
+    full_state_dict,
+    make_batches,
+)
+
+
+def offload(device: str, nvme_path: str | None = None, **extra) -> dict:
+    """`extra_config` fragment for ParitySetup: offload the optimizer to `device`."""
+    block = {"device": device, **extra}
+    if nvme_path is not None:
+        block["nvme_path"] = nvme_path
+    return {"offload_optimizer": block}
+
+
+def setup(stage: int, zero: dict | None = None, **kw) -> ParitySetup:
+    extra = dict(kw.pop("extra_config", {}))
+    if zero:
+        extra["zero_optimization"] = zero
+    return ParitySetup(stage=stage, world=kw.pop("world", 2), steps=kw.pop("steps", 6),
+                       extra_config=extra, **kw)
+
+
+def exact_adamw() -> dict:
+    """The parity helper's AdamW with torch's reference kernel instead of the fused one."""
+    return {"optimizer": {"type": "AdamW",
+                          "params": {"lr": 1e-3, "weight_decay": 0.1, "eps": 1e-6, "fused": False}}}
+
+
+def runs_and_cleanup(setups: list[ParitySetup]) -> list:
+    """engine_run for each setup; collects engines so swap directories are removed."""
+    out = [engine_run(s) for s in setups]
+    gc.collect()
+    return out
+
+
+def _engine(s: ParitySetup):
+    import meshspeed
+
+    model = build_model(s)
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=copy.deepcopy(s.ds_config()))
+    return engine
+
+
+def _train(engine, s: ParitySetup, steps: int | None = None) -> list[float]:
+    from meshspeed import comm
+
+    rank = comm.get_rank()
+    rows = slice(rank * s.micro, (rank + 1) * s.micro)
+    losses = []
+    for batch in make_batches(s)[:steps]:
+        for micro in batch:
+            tokens = micro[rows]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def delayed_reference(s: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the update applied one step late (Note [delayed parameter update]):
+    gradient N is taken at the parameters published after step N-1 and applied to the
+    masters of step N; returns the losses and the *published* parameters at the end."""
+    model = build_model(s)
+    master = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p for p in master.parameters() if p.requires_grad]
+    block = s.optimizer_block()
+    opt = torch.optim.AdamW(masters, **block["params"])
+    losses = []
+    for batch in make_batches(s):
+        tokens = batch.reshape(-1, s.seq + 1)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        if s.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, s.clip)
+        published = [m.detach().clone() for m in masters]  # M_N: what forward N+1 sees
+        for m, p in zip(masters, params):
+            m.grad = p.grad
+        opt.step()
+        with torch.no_grad():
+            for p, value in zip(params, published):
+                p.copy_(value)
+                p.grad = None
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def delayed_flush(s: ParitySetup) -> tuple[dict, dict]:
+    """Train with delayed updates; parameters before and after `flush`."""
+    from meshspeed.offload import flush
+
+    engine = _engine(s)
+    _train(engine, s)
+    before = full_state_dict(engine)
+    flush(engine)
+    after = full_state_dict(engine)
+    masters = {sl.name: sl.master.detach().clone() for sl in engine.strategy.owned_slices()}
+    own = {}
+    for sl in engine.strategy.owned_slices():
+        own[sl.name] = after[sl.name].reshape(-1)[sl.start : sl.end].clone()
+    close(engine)
+    return before, after, masters, own
+
+
+def breakdown(s: ParitySetup, steps: int = 2) -> dict:
+    """memory_breakdown after a few steps, with the numbers the tests compare it to."""
+    engine = _engine(s)
+    _train(engine, s, steps)
+    mem = engine.memory_breakdown()
+    owned = sum(sl.end - sl.start for sl in engine.strategy.owned_slices() if sl.requires_grad)
+    files = 0
+    swap_dirs = getattr(engine.strategy, "swap_dirs", {})
+    swap_root = next((d.path for d in swap_dirs.values()), None)
+    if swap_root is not None:
+        for root, _, names in os.walk(swap_root):
+            files += sum(os.path.getsize(os.path.join(root, n)) for n in names)
+    close(engine)
+    return {"mem": mem, "owned": owned, "files": files, "swap_root": swap_root,
+            "removed": swap_root is not None and not os.path.exists(swap_root)}
+
+
+def checkpoint_roundtrip(s: ParitySetup, save_dir: str) -> tuple[list[float], list[float]]:
+    """Train 3 steps, save, train 3 more; a fresh engine loads and trains the same 3."""
+    engine = _engine(s)
+    _train(engine, s, 3)
+    engine.save_checkpoint(save_dir, tag="t")
+    rest = make_batches(s)[3:]
+    tail = _train_batches(engine, s, rest)
+    close(engine)
+    fresh = _engine(s)
+    fresh.load_checkpoint(save_dir, tag="t")
+    again = _train_batches(fresh, s, rest)
+    close(fresh)
+    return tail, again
+
+
+def _train_batches(engine, s, batches) -> list[float]:
+    from meshspeed import comm
+
+    rank = comm.get_rank()
+    rows = slice(rank * s.micro, (rank + 1) * s.micro)
+    losses = []
+    for batch in batches:
+        for micro in batch:
+            tokens = micro[rows]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def initialize_error(config: dict) -> str:
+    """The ConfigError message initialize raises for `config` on this rank ('' if none)."""
+    import meshspeed
+    from meshspeed.config import ConfigError
+
+    s = ParitySetup()
+    model = build_model(s)
+    try:
+        meshspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+__all__ = ["engine_run", "full_state_dict"]
+
+
+def initialize_error_one_rank_bad(good_dir: str) -> str:
+    """Rank 0 gets a usable nvme_path, the others a missing one: every rank must raise."""
+    from meshspeed import comm
+
+    path = good_dir if comm.get_rank() == 0 else os.path.join(good_dir, "missing")
+    config = setup(2, offload("nvme", path)).ds_config()
+    return initialize_error(config)
