@@ -123,14 +123,14 @@ class MeshspeedEngine(nn.Module):
         masters = self.strategy.prepare_step()
         grads = [m.grad for m in masters if m.grad is not None]
         sharded = self.strategy.grads_are_sharded()
-        overflow = unscale_and_check(grads, self.loss_scaler.scale, self.dp_group, sharded) \
-            if self.config.fp16.enabled else False
+        overflow = unscale_and_check(grads, self.loss_scaler.scale, self.dp_group, sharded,
+                                     self.device) if self.config.fp16.enabled else False
         if overflow:
             self.skipped_steps += 1
             old_scale = self.loss_scaler.scale
         else:
             if self.config.gradient_clipping > 0:
-                norm = global_grad_norm(grads, self.dp_group, sharded)
+                norm = global_grad_norm(grads, self.dp_group, sharded, self.device)
                 clip_by_norm_(grads, self.config.gradient_clipping, norm)
                 self._grad_norm = float(norm)
             self.optimizer.step()

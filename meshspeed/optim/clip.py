@@ -7,15 +7,20 @@ import torch
 from meshspeed import comm
 
 
-def global_grad_norm(grads: list[torch.Tensor], group=None, sharded: bool = False) -> torch.Tensor:
+def global_grad_norm(grads: list[torch.Tensor], group=None, sharded: bool = False,
+                     device: torch.device | None = None) -> torch.Tensor:
     """L2 norm of all gradients; with `sharded`, each rank holds a disjoint slice, and the
-    squares are summed over `group` (one scalar all-reduce)."""
+    squares are summed over `group` (one scalar all-reduce, on `device`: the backend's
+    device, which for NCCL is the GPU even when offloaded gradients live on the host)."""
     if grads:
         sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
     else:
         sq = torch.zeros(())
     if sharded:
+        home = sq.device
+        sq = sq.to(device or home)
         comm.all_reduce(sq, group=group)
+        sq = sq.to(home)
     return sq.sqrt()
 
 

@@ -43,14 +43,15 @@ def build_scaler(fp16_cfg):
     )
 
 
-def unscale_and_check(grads: list[torch.Tensor], scale: float, group, sharded: bool) -> bool:
+def unscale_and_check(grads: list[torch.Tensor], scale: float, group, sharded: bool,
+                      device: torch.device | None = None) -> bool:
     """Divide gradients by the loss scale; return True when any rank saw inf/NaN.
 
     With replicated gradients every rank sees the same values, so no collective is needed;
     with sharded ones, one scalar all-reduce (max) makes every rank skip together."""
     if scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / scale)
-    overflow = torch.tensor(float(has_inf_or_nan(grads)))
+    overflow = torch.tensor(float(has_inf_or_nan(grads)), device=device)  # backend's device
     if sharded:
         comm.all_reduce(overflow, group=group, op="max")
     return bool(overflow.item())
