@@ -37,6 +37,7 @@ also publishes it (call it before evaluating or saving the module's weights alon
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -66,6 +67,12 @@ class OffloadedZero:
         on_host = device.type == "cpu"
         self._host: list[torch.Tensor] = []  # storages that are host tier by placement
         self._host_grads: dict[int, torch.Tensor] = {}
+        self._grads_on_host: set[int] = set()  # units whose gradient already moved this step
+        if self.runner is None:  # a delayed update still reads the host gradients meanwhile
+            # per unit, during backward; a weak reference, so that the wrapped strategy
+            # does not keep this wrapper (and its swap files) alive in a cycle
+            method = weakref.WeakMethod(self._move_grad_shard)
+            inner.grad_shard_ready = lambda unit: (m := method()) is not None and m(unit)
         sharded = [u for u in inner.units if u.shard_params]
         # a shard that leaves this memory (to a file, or from a device to the host) cannot
         # stay the fp32 master it was in fp32 training: masters get their own host buffer
@@ -110,21 +117,33 @@ class OffloadedZero:
             unit.grad_shard.dtype != torch.float32 or unit.grad_shard.device != unit.master_buffer.device
             or self.device.type != "cpu")
 
+    def _move_grad_shard(self, unit) -> bool:
+        """Copy one unit's reduced gradient into its host fp32 buffer (non-blocking into
+        pinned memory on an accelerator). Called by the strategy as each unit's
+        reduction lands at the accumulation boundary, so the copies overlap the rest of
+        backward; returns whether a copy was made."""
+        if unit.grad_shard is None or not self._copies_grads(unit):
+            return False
+        host = self._host_grads.get(id(unit))
+        if host is None:
+            host = self._host_grads[id(unit)] = host_empty(unit.layout.shard_numel, pin=self.pin)
+            self._host.append(host)
+        host.copy_(unit.grad_shard, non_blocking=True)
+        self._grads_on_host.add(id(unit))
+        return True
+
     def _attach_host_grads(self) -> None:
         """Gradient shards -> host fp32 buffers, unit by unit; masters' .grad view them."""
-        copied = False
+        copied = bool(self._grads_on_host)
         for unit in self.inner.units:
             if unit.grad_shard is None:
                 continue
             if not self._copies_grads(unit):
                 unit.attach_master_grads()
                 continue
-            host = self._host_grads.get(id(unit))
-            if host is None:
-                host = self._host_grads[id(unit)] = host_empty(unit.layout.shard_numel, pin=self.pin)
-                self._host.append(host)
-            host.copy_(unit.grad_shard, non_blocking=True)
-            copied = True
+            if id(unit) not in self._grads_on_host:
+                copied |= self._move_grad_shard(unit)
+            host = self._host_grads[id(unit)]
             for lay, m in zip(unit.layout.params, unit.masters):
                 if m.requires_grad:
                     m.grad = host[lay.offset : lay.offset + m.numel()]
@@ -132,6 +151,7 @@ class OffloadedZero:
             from meshspeed.runtime.accelerator import get_accelerator
 
             get_accelerator(self.device.type).synchronize()  # non-blocking D2H copies landed
+        self._grads_on_host.clear()
 
     # -- strategy protocol ----------------------------------------------------------------------
     def prepare_step(self) -> list[nn.Parameter]:

@@ -16,6 +16,7 @@ from tests.offload.workers import (
     delayed_flush,
     delayed_reference,
     exact_adamw,
+    grads_moved_during_backward,
     offload,
     runs_and_cleanup,
     setup,
@@ -93,3 +94,11 @@ def test_flush_publishes_the_last_update():
     assert any(not torch.equal(before[k], after[k]) for k in before)
     for name, m in masters.items():
         torch.testing.assert_close(own[name], m, rtol=0, atol=0)
+
+
+def test_gradients_move_to_host_per_unit_during_backward():
+    """bf16 on the CPU makes the copy real (fp32 host buffers for bf16 gradient shards);
+    each unit's copy is made as its reduction lands, before the step starts."""
+    s = setup(3, offload("cpu"), precision="bf16")
+    for moved, units in run_distributed(grads_moved_during_backward, world_size=2, args=(s,)):
+        assert moved == units > 1

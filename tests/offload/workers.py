@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from meshspeed import comm
 from meshspeed.offload import close
 from meshspeed.testing.parity import (
     ParitySetup,
@@ -190,3 +191,15 @@ def initialize_error_one_rank_bad(good_dir: str) -> str:
     path = good_dir if comm.get_rank() == 0 else os.path.join(good_dir, "missing")
     config = setup(2, offload("nvme", path)).ds_config()
     return initialize_error(config)
+
+
+def grads_moved_during_backward(s: ParitySetup) -> tuple[int, int]:
+    """After the boundary backward (before step): how many units' gradients already sit in
+    their host buffers, out of how many units."""
+    engine = _engine(s)
+    batch = make_batches(s)[0][0]
+    rows = batch[comm.get_rank() * s.micro:(comm.get_rank() + 1) * s.micro]
+    engine.backward(engine(rows[:, :-1], rows[:, 1:]))
+    moved = len(engine.strategy._grads_on_host)
+    engine.step()
+    return moved, len(engine.strategy.units)

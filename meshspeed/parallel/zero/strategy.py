@@ -60,6 +60,9 @@ class Zero:
         registry.register(module.parameters(), self)
         self.boundary = True
         self._pending: list = []  # (unit, finish) of reduce-scatters in flight
+        # called with each unit whose reduced gradient has landed at the accumulation
+        # boundary, while backward goes on (offload copies it to host memory right away)
+        self.grad_shard_ready = None
         self.fetcher = None
         if self.spec.shard_params:
             self.fetcher = Fetcher(self.units, prefetch_numel, max_live_numel)
@@ -130,11 +133,18 @@ class Zero:
             p.grad = None
         if unit.shard_params and index != getattr(self, "root_index", None):
             unit.release()
+        while len(self._pending) > 1:  # keep one reduction in flight, settle the older ones
+            self._settle_one()
+
+    def _settle_one(self) -> None:
+        unit, finish = self._pending.pop(0)
+        unit.accumulate_grad_shard(finish())
+        if self.grad_shard_ready is not None and self.boundary:
+            self.grad_shard_ready(unit)
 
     def _settle_reductions(self) -> None:
-        for unit, finish in self._pending:
-            unit.accumulate_grad_shard(finish())
-        self._pending.clear()
+        while self._pending:
+            self._settle_one()
 
     def finish_backward(self) -> None:
         self.tracker.flush()
