@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -199,6 +200,11 @@ def _shutdown() -> None:
     active exception") after a run that otherwise succeeded."""
     if dist.is_initialized():
         try:
+            if dist.get_backend() == "gloo" and getattr(sys, "last_type", None) is None:
+                # tear down together: a peer that vanished mid-teardown can abort gloo's
+                # threads. Skipped after an uncaught exception (sys.last_type is set), so a
+                # failing rank exits at once; a peer that died makes this fail in 10 s.
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001, S110 - best effort at exit
             pass
