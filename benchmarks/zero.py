@@ -6,6 +6,11 @@ RSS and model-state bytes per rank, as ratios against DDP, into docs/benchmarks.
 benchmarks/results/zero.json:
 
     .venv/bin/python benchmarks/zero.py --steps 30 --warmup 5
+    .venv/bin/python benchmarks/zero.py --steps 30 --warmup 5 --frameworks all --max-runs 3
+
+The first takes about 3 minutes on an idle 2-core machine; the second (the one behind
+docs/benchmarks.md) adds the DeepSpeed-default persistence threshold variant and reruns
+frameworks whose timing was disturbed by other jobs (Note [timing on a shared machine]).
 
 `--profile FRAMEWORK` instead runs torch.profiler on rank 0 for a few steps of one
 framework and prints the ops with the largest self CPU time.

@@ -205,7 +205,8 @@ def write_docs(section: str, path: Path) -> None:
     old = path.read_text() if path.exists() else "# Benchmarks\n"
     if START in old and END in old:
         head, rest = old.split(START, 1)
-        new = head + block + rest.split(END, 1)[1].lstrip("\n")
+        tail = rest.split(END, 1)[1].lstrip("\n")
+        new = head + block + ("\n" + tail if tail else "")
     else:
         new = old.rstrip("\n") + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
