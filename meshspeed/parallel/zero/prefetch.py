@@ -58,9 +58,14 @@ class OrderTrace:
 class Fetcher:
     """Gathers and releases sharded units for one pass direction at a time."""
 
-    def __init__(self, units: list[ZeroUnit], prefetch_numel: int, max_live_numel: int):
+    def __init__(self, units: list[ZeroUnit], prefetch_numel: int, max_live_numel: int,
+                 max_ahead: int = 1):
         self.units = units
         self.prefetch_numel = prefetch_numel
+        # units gathered ahead of the running one: one hides the next all-gather behind the
+        # current unit's compute; more only adds live memory and, on few cores, gloo
+        # threads competing with the compute thread (FSDP2 also prefetches one)
+        self.max_ahead = max_ahead
         self.max_live_numel = max_live_numel
         self.traces = {Pass.FORWARD: OrderTrace(), Pass.BACKWARD: OrderTrace()}
         self.peak_gathered_bytes = 0
@@ -80,7 +85,7 @@ class Fetcher:
         upcoming = self.traces[direction].record(index)
         self.units[index].gather()
         budget = self.prefetch_numel
-        for nxt in upcoming:
+        for nxt in upcoming[: self.max_ahead]:
             unit = self.units[nxt]
             if unit.state is not ParamState.SHARDED:
                 continue

@@ -64,6 +64,7 @@ class Zero:
         # boundary, while backward goes on (offload copies it to host memory right away)
         self.grad_shard_ready = None
         self.fetcher = None
+        self.root_index: int | None = None
         if self.spec.shard_params:
             self.fetcher = Fetcher(self.units, prefetch_numel, max_live_numel)
             self._install_module_hooks(plan)
@@ -83,20 +84,22 @@ class Zero:
 
     # -- stage 3 module hooks -------------------------------------------------------------
     def _install_module_hooks(self, plan: GroupingPlan) -> None:
+        # the root's hooks bracket every pass (and record the unit order for prefetch) even
+        # when the root owns no sharded parameter of its own
+        self.module.register_forward_pre_hook(self._root_pre_forward)
+        self.module.register_forward_hook(self._root_post_forward)
         for index, (unit_plan, unit) in enumerate(zip(plan.units, self.units)):
             if not unit.shard_params:
                 continue
             if unit_plan.module is self.module:  # root: whole for the entire forward+backward
                 self.root_index = index
-                self.module.register_forward_pre_hook(self._root_pre_forward)
-                self.module.register_forward_hook(self._root_post_forward)
             else:
                 unit_plan.module.register_forward_pre_hook(partial(self._pre_forward, index))
                 unit_plan.module.register_forward_hook(partial(self._post_forward, index))
 
     def _root_pre_forward(self, module, args):
         self.fetcher.start(Pass.FORWARD)
-        if hasattr(self, "root_index"):
+        if self.root_index is not None:
             self.fetcher.fetch(self.root_index, Pass.FORWARD)
 
     def _root_post_forward(self, module, args, output):
@@ -131,7 +134,7 @@ class Zero:
         self._pending.append((unit, unit.launch_reduce_scatter([p.grad for p in unit.params])))
         for p in unit.params:
             p.grad = None
-        if unit.shard_params and index != getattr(self, "root_index", None):
+        if unit.shard_params and index != self.root_index:
             unit.release()
         while len(self._pending) > 1:  # keep one reduction in flight, settle the older ones
             self._settle_one()
@@ -226,6 +229,7 @@ class Zero:
             "master_params": [u.master_buffer for u in self.units if u.master_buffer is not None],
             "grads": [u.grad_shard for u in self.units if u.grad_shard is not None]
             + [p.grad for u in self.units for p in u.params if p.grad is not None],
+            "comm_buffers": [b for u in self.units for b in u.comm_buffers()],
         }
 
     def peak_gathered_bytes(self) -> int:

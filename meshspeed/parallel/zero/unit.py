@@ -102,6 +102,7 @@ class ZeroUnit:
         self.grad_shard: torch.Tensor | None = None  # fp32 (shard_numel,), owned slices only
         self.state = ParamState.WHOLE
         self._pending = None  # (work, matrix) of an in-flight all-gather
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # reused comm buffers (stages 1-2)
         if shard_params:
             self.release()
         else:
@@ -207,8 +208,26 @@ class ZeroUnit:
         return sum(p.untyped_storage().nbytes() for p in self.params)
 
     # -- collectives ----------------------------------------------------------------------
+    def _matrix(self, dtype: torch.dtype) -> torch.Tensor:
+        """The (N, shard_numel) buffer a collective of this unit sends or receives.
+
+        Units of whole parameters (stages 1-2) keep one per dtype and reuse it every step,
+        as DDP keeps its buckets: allocating and faulting in a model-sized buffer per step
+        costs time and leaves the allocator holding freed pages. Stage-3 units allocate per
+        use, so only the units actually gathered hold one."""
+        if self.shard_params:
+            return torch.empty(self.world, self.layout.shard_numel, dtype=dtype, device=self.device)
+        buf = self._buffers.get(dtype)
+        if buf is None:
+            buf = self._buffers[dtype] = torch.empty(
+                self.world, self.layout.shard_numel, dtype=dtype, device=self.device)
+        return buf
+
+    def comm_buffers(self) -> list[torch.Tensor]:
+        return list(self._buffers.values())
+
     def _all_gather(self, shard: torch.Tensor, async_op: bool = False):
-        out = torch.empty(self.world, self.layout.shard_numel, dtype=shard.dtype, device=shard.device)
+        out = self._matrix(shard.dtype)
         work = comm.all_gather_into_tensor(out.view(-1), shard, group=self.group, async_op=async_op)
         return (work, out) if async_op else out
 
@@ -225,7 +244,7 @@ class ZeroUnit:
         gradient element, as in the paper's accounting. Missing gradients (unused or
         frozen parameters) contribute zeros. The full gradients may be freed as soon as
         this returns: they have been copied into the send buffer."""
-        matrix = torch.empty(self.world, self.layout.shard_numel, dtype=self.comm_dtype, device=self.device)
+        matrix = self._matrix(self.comm_dtype)
         for lay, g in zip(self.layout.params, grads):
             if g is None:
                 matrix[:, lay.offset : lay.offset + lay.chunk].zero_()
