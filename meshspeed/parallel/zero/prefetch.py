@@ -54,6 +54,10 @@ class OrderTrace:
     def finish(self) -> None:
         self.previous = self.current
 
+    def ends_with(self, index: int) -> bool:
+        """This pass has followed the record so far and `index` ran last in it."""
+        return self.following and len(self.current) == len(self.previous) and self.previous[-1] == index
+
 
 class Fetcher:
     """Gathers and releases sharded units for one pass direction at a time."""
@@ -94,6 +98,9 @@ class Fetcher:
             unit.gather_async()  # overlaps the running unit's compute
             budget -= unit.layout.numel
         self._note_peak()
+
+    def last_in_forward(self, index: int) -> bool:
+        return self.traces[Pass.FORWARD].ends_with(index)
 
     def release(self, index: int) -> None:
         unit = self.units[index]

@@ -114,10 +114,14 @@ class Zero:
         self.fetcher.fetch(index, Pass.FORWARD)
 
     def _post_forward(self, index, module, args, output):
-        self.fetcher.release(index)
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        if not (training and self.fetcher.last_in_forward(index)):
+            self.fetcher.release(index)
+        # else: the last block of forward is the first of backward; keeping it whole saves
+        # releasing and re-gathering it back to back (one block's all-gather per step)
+        if training:
             return attach_pre_backward(output, partial(self.fetcher.fetch, index, Pass.BACKWARD))
-        return output
+        return output  # (inference: every unit was released above)
 
     # -- backward -------------------------------------------------------------------------
     def begin_micro_step(self, boundary: bool) -> None:
