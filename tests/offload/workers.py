@@ -58,19 +58,7 @@ def _engine(s: ParitySetup):
 
 
 def _train(engine, s: ParitySetup, steps: int | None = None) -> list[float]:
-    from meshspeed import comm
-
-    rank = comm.get_rank()
-    rows = slice(rank * s.micro, (rank + 1) * s.micro)
-    losses = []
-    for batch in make_batches(s)[:steps]:
-        for micro in batch:
-            tokens = micro[rows]
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
-    return losses
+    return _train_batches(engine, s, make_batches(s)[:steps])
 
 
 def delayed_reference(s: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]]:
