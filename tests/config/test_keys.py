@@ -4,14 +4,9 @@ import logging
 
 import pytest
 
-from meshspeed.config import ACCEPTED_UNUSED, ConfigError, MeshspeedConfig, load_config
+from meshspeed.config import ACCEPTED_UNUSED, MeshspeedConfig, load_config
 from meshspeed.config.keys import submodel
-
-
-def error_of(config) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(config)
-    return str(info.value)
+from tests.config.helpers import error_of
 
 
 @pytest.mark.parametrize(

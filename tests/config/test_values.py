@@ -10,12 +10,7 @@ from meshspeed.config import (
     ZeroConfig,
     load_config,
 )
-
-
-def error_of(config) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(config)
-    return str(info.value)
+from tests.config.helpers import error_of
 
 
 @pytest.mark.parametrize(

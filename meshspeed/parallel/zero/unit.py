@@ -4,7 +4,7 @@ A unit owns, for this rank, the slices described by its `UnitLayout` (see
 Note [per-parameter sharding] in layout.py) and performs the three collectives of ZeRO on
 them as free-standing steps:
 
-- `reduce_scatter_grads`: full gradients -> this rank's fp32 gradient shard (averaged);
+- `launch_reduce_scatter`: full gradients -> this rank's gradient shard (averaged);
 - `all_gather_into_params`: this rank's updated shard -> every rank's full parameters;
 - `gather` / `release` (stage 3 only): materialise and drop the full parameters.
 
@@ -91,7 +91,6 @@ class ZeroUnit:
         self.comm_dtype = comm_dtype
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.trainable = [p.requires_grad for p in self.params]
         if shard_params:
             self._own_storage()
         self.shard = self._local_shard()  # compute-dtype shard, (shard_numel,)
@@ -230,10 +229,6 @@ class ZeroUnit:
         out = self._matrix(shard.dtype)
         work = comm.all_gather_into_tensor(out.view(-1), shard, group=self.group, async_op=async_op)
         return (work, out) if async_op else out
-
-    def reduce_scatter_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """Average full gradients over the group and return this rank's shard."""
-        return self.launch_reduce_scatter(grads, async_op=False)()
 
     def launch_reduce_scatter(self, grads: list[torch.Tensor | None], async_op: bool = True):
         """Start reducing full gradients; returns a callable that waits and yields this
