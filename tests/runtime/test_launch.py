@@ -26,12 +26,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_two_ranks_run_and_exit_zero(tmp_path):
     script = tmp_path / "tiny.py"
+    # one file per rank: two ranks printing to one pipe can interleave their bytes
     script.write_text("import os\n"
-                      "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+                      "r, w = os.environ['RANK'], os.environ['WORLD_SIZE']\n"
+                      "open(f'rank{r}.txt', 'w').write(f'rank {r} of {w}')\n")
     result = meshspeed("run", "--nproc-per-node", "2", str(script), tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert sorted(line for line in result.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0 of 2", "rank 1 of 2"]
+    seen = sorted(f.read_text() for f in tmp_path.glob("rank*.txt"))
+    assert seen == ["rank 0 of 2", "rank 1 of 2"]
 
 
 def test_a_failing_rank_gives_nonzero_exit(tmp_path):
