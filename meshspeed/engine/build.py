@@ -17,10 +17,12 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.engine.engine import MeshspeedEngine
-from meshspeed.offload import apply_offload, check_offload, offload_optimizer
+from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement
 from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
 from meshspeed.optim.precision import build_scaler
 from meshspeed.parallel.data.ddp import DataParallel
+from meshspeed.parallel.protocol import Strategy
+from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init import cast_partitioned, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
@@ -68,8 +70,12 @@ def initialize(
         torch.manual_seed(cfg.seed)
 
     module = _cast(model, device, cfg.precision_dtype)
-    strategy = apply_offload(_build_strategy(module, dp_group, cfg), cfg)
-    opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy)
+    placement = offload_placement(cfg)
+    strategy = _build_strategy(module, dp_group, cfg, placement)
+    if not isinstance(strategy, Strategy):  # a strategy missing part of the protocol
+        raise TypeError(f"{type(strategy).__name__} does not implement meshspeed.parallel.protocol.Strategy")
+    check_host_memory(strategy, cfg)
+    opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy, placement)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     loader = None
     if training_data is not None:
@@ -122,7 +128,7 @@ def _comm_dtype(cfg: MeshspeedConfig) -> torch.dtype:
     return torch.float32 if name is None else _DTYPES[name]
 
 
-def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig):
+def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement):
     z = cfg.zero_optimization
     if cfg.zero_stage == 0:
         for p in module.parameters():  # zero.Init slices: data parallelism needs them whole
@@ -131,14 +137,15 @@ def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig):
         return DataParallel(module, group, bucket_numel=z.reduce_bucket_size,
                             comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm)
     return Zero(
-        module, group, stage=cfg.zero_stage, bucket_numel=z.reduce_bucket_size,
+        module, UnitGroups(shard=group), stage=cfg.zero_stage, bucket_numel=z.reduce_bucket_size,
         persistence_threshold=z.stage3_param_persistence_threshold,
         prefetch_numel=z.stage3_prefetch_bucket_size,
         max_live_numel=z.stage3_max_live_parameters, comm_dtype=_comm_dtype(cfg),
+        placement=placement,
     )
 
 
-def _build_optimizer(cfg, client, model_parameters, module, strategy):
+def _build_optimizer(cfg, client, model_parameters, module, strategy, placement):
     groups = master_groups(model_parameters, module, strategy.master_of)
     if client is not None:
         if cfg.optimizer is not None:
@@ -153,7 +160,7 @@ def _build_optimizer(cfg, client, model_parameters, module, strategy):
         opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), groups)
     except (ValueError, TypeError) as err:
         raise ConfigError([str(err)]) from err
-    return offload_optimizer(opt, cfg, strategy)
+    return offload_optimizer(opt, cfg, placement)
 
 
 def _build_scheduler(cfg, client, optimizer):

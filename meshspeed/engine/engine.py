@@ -122,15 +122,15 @@ class MeshspeedEngine(nn.Module):
             return
         masters = self.strategy.prepare_step()
         grads = [m.grad for m in masters if m.grad is not None]
-        sharded = self.strategy.grads_are_sharded()
-        overflow = unscale_and_check(grads, self.loss_scaler.scale, self.dp_group, sharded,
+        groups = self.strategy.grad_norm_groups()
+        overflow = unscale_and_check(grads, self.loss_scaler.scale, groups,
                                      self.device) if self.config.fp16.enabled else False
         if overflow:
             self.skipped_steps += 1
             old_scale = self.loss_scaler.scale
         else:
             if self.config.gradient_clipping > 0:
-                norm = global_grad_norm(grads, self.dp_group, sharded, self.device)
+                norm = global_grad_norm(grads, groups, self.device)
                 clip_by_norm_(grads, self.config.gradient_clipping, norm)
                 self._grad_norm = float(norm)
             self.optimizer.step()
@@ -171,7 +171,7 @@ class MeshspeedEngine(nn.Module):
         return add_tiers(out, tensors, self.strategy, self.optimizer)
 
     def peak_gathered_bytes(self) -> int:
-        return getattr(self.strategy, "peak_gathered_bytes", lambda: 0)()
+        return self.strategy.peak_gathered_bytes()
 
     # -- checkpoints (meshspeed.checkpoint does the work) -------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
@@ -207,7 +207,7 @@ class MeshspeedEngine(nn.Module):
     def state_dict(self, *args, **kwargs):
         """The module's state_dict with real, whole tensors under every stage (under ZeRO-3
         the parameters are gathered and copied: a collective, and a full copy in memory)."""
-        if not self.strategy_shards_params():
+        if not self.strategy.shards_params:
             return self.module.state_dict(*args, **kwargs)
         from meshspeed.zero import GatheredParameters
 
@@ -220,6 +220,3 @@ class MeshspeedEngine(nn.Module):
 
         with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
             return self.module.load_state_dict(state_dict, strict=strict)
-
-    def strategy_shards_params(self) -> bool:
-        return bool(getattr(self.strategy, "spec", None) and self.strategy.spec.shard_params)

@@ -1,7 +1,7 @@
 """ZeRO-Offload and ZeRO-Infinity: optimizer state, masters and gradients in host memory,
 optimizer state in swap files on NVMe.
 
-  placement.py  OffloadedZero: which of a ZeRO unit's tensors live on the host
+  placement.py  OffloadPlacement: which of a ZeRO unit's tensors live on the host
   optimizer.py  OffloadOptimizer: the step on the host, sub-group by sub-group
   state.py      where the state lives between steps (host memory or swap files)
   kernels.py    the update rules (torch's fused CPU Adam/AdamW, SGD)
@@ -13,22 +13,28 @@ See docs/offload.md.
 
 from meshspeed.offload.aio import SwapEngine
 from meshspeed.offload.optimizer import BackgroundStep, OffloadOptimizer
-from meshspeed.offload.placement import OffloadedZero
-from meshspeed.offload.setup import apply_offload, check_offload, offload_optimizer
+from meshspeed.offload.placement import OffloadPlacement
+from meshspeed.offload.setup import (
+    check_host_memory,
+    check_offload,
+    offload_optimizer,
+    offload_placement,
+)
 from meshspeed.offload.tiers import TIERS, add_tiers, resident_state_tensors
 
 __all__ = [
     "TIERS",
     "BackgroundStep",
     "OffloadOptimizer",
-    "OffloadedZero",
+    "OffloadPlacement",
     "SwapEngine",
     "add_tiers",
-    "apply_offload",
+    "check_host_memory",
     "check_offload",
     "close",
     "flush",
     "offload_optimizer",
+    "offload_placement",
     "resident_state_tensors",
 ]
 
@@ -36,15 +42,12 @@ __all__ = [
 def flush(engine) -> None:
     """With delayed_update: finish the running host step and publish it into the module's
     parameters (call on every rank, e.g. before evaluation). A no-op otherwise."""
-    flush_strategy = getattr(engine.strategy, "flush", None)
-    if flush_strategy is not None:
-        flush_strategy()
+    engine.strategy.flush()
 
 
 def close(engine) -> None:
     """Finish background work and remove this rank's swap files now (they are removed at
     exit or when the engine is garbage collected otherwise)."""
-    for owner in (engine.optimizer, engine.strategy):
-        close_owner = getattr(owner, "close", None)
-        if close_owner is not None and isinstance(owner, OffloadOptimizer | OffloadedZero):
-            close_owner()
+    if isinstance(engine.optimizer, OffloadOptimizer):
+        engine.optimizer.close()
+    engine.strategy.close()

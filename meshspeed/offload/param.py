@@ -8,8 +8,7 @@ A ZeRO-3 unit needs its shard at three moments only: to all-gather the full para
     done(unit)            the all-gather that read it has completed
     write(unit, values)   the unit's shard becomes `values` (any float dtype, cast)
 
-`ZeroUnit` calls them through its `shard_store` attribute when one is set (the hook is
-described in docs/offload.md; `supports_shard_store()` says whether this build has it).
+`ZeroUnit` calls them through the store the offload placement gives it (`use_store`).
 
 `HostShardStore`: the shard lives in (pinned) host memory; `fetch` copies it to the device
 (on a CPU-only machine it is the shard itself).
@@ -30,12 +29,6 @@ from meshspeed.config.errors import ConfigError
 from meshspeed.offload.aio import IoRequest, SwapEngine
 from meshspeed.offload.hostmem import ALIGN, host_empty, round_up
 from meshspeed.offload.state import BufferPool
-
-
-def supports_shard_store() -> bool:
-    from meshspeed.parallel.zero.unit import ZeroUnit
-
-    return "shard_store" in getattr(ZeroUnit, "__annotations__", {}) or hasattr(ZeroUnit, "shard_store")
 
 
 class HostShardStore:
@@ -64,6 +57,9 @@ class HostShardStore:
 
     def nvme_bytes(self) -> int:
         return 0
+
+    def close(self) -> None:
+        pass
 
 
 class NvmeShardStore:

@@ -1,15 +1,14 @@
-"""`OffloadedZero`: ZeRO with the optimizer's side of each unit kept in host memory.
+"""`OffloadPlacement`: the placement policy (meshspeed/parallel/zero/placement.py) that
+keeps the optimizer's side of each ZeRO unit in host memory.
 
-What moves, per ZeRO unit (see meshspeed/parallel/zero/unit.py for the unit itself):
+What moves, per ZeRO unit (flat.py and unit.py in meshspeed/parallel/zero):
 
 - fp32 master slices -> one host buffer per unit (`unit.master_buffer`), which the
   unit's `masters` view; `publish_masters` then copies host -> device parameters.
 - the gradient shard the optimizer consumes -> a host fp32 buffer per unit, copied
   (non-blocking, into pinned memory where possible) at `prepare_step`, unit by unit.
 - stage 3 with `offload_param`: the unit's parameter shard moves into a shard store
-  (param.py: host memory or a swap file) that ZeroUnit reads for each gather, through
-  its `shard_store` hook; without that hook, on a CPU-only machine, the shard stays
-  where it is and is accounted as host tier.
+  (param.py: host memory or a swap file) that ZeroUnit reads for each gather.
 
 Note [offload on a CPU-only machine]
 When the compute device is the CPU itself, "moving to host" is a relabelling: an fp32
@@ -37,7 +36,6 @@ also publishes it (call it before evaluating or saving the module's weights alon
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 from torch import nn
@@ -48,59 +46,49 @@ from meshspeed.offload.optimizer import BackgroundStep
 log = logging.getLogger("meshspeed")
 
 
-class OffloadedZero:
-    """Wraps a `Zero` strategy; the engine and checkpoints use it in its place.
+class OffloadPlacement:
+    """Handed to `Zero` as its placement; `bind` runs once the units exist."""
 
-    The strategy protocol methods that offload changes are defined here; everything else
-    (`units`, `owned_slices` bookkeeping, `gather_for_user`, ...) is the wrapped
-    strategy's, reached through attribute delegation."""
-
-    def __init__(self, inner, *, device: torch.device, offload_optimizer: bool,
-                 offload_param: str, pin: bool, delayed: bool, make_shard_store=None):
-        self.inner = inner
+    def __init__(self, *, device: torch.device, offload_optimizer: bool, offload_param: str,
+                 pin: bool, delayed: bool, make_shard_store=None):
         self.device = device
         self.pin = pin
         self.offload_optimizer = offload_optimizer
         self.offload_param = offload_param != "none"
+        self._param_tier = offload_param
         self.runner = BackgroundStep() if delayed else None
+        self.make_shard_store = make_shard_store
         self._published = True  # masters and parameters agree
-        on_host = device.type == "cpu"
         self._host: list[torch.Tensor] = []  # storages that are host tier by placement
         self._host_grads: dict[int, torch.Tensor] = {}
-        self._grads_on_host: set[int] = set()  # units whose gradient already moved this step
-        if self.runner is None:  # a delayed update still reads the host gradients meanwhile
-            # per unit, during backward; a weak reference, so that the wrapped strategy
-            # does not keep this wrapper (and its swap files) alive in a cycle
-            method = weakref.WeakMethod(self._move_grad_shard)
-            inner.grad_shard_ready = lambda unit: (m := method()) is not None and m(unit)
-        sharded = [u for u in inner.units if u.shard_params]
-        # a shard that leaves this memory (to a file, or from a device to the host) cannot
-        # stay the fp32 master it was in fp32 training: masters get their own host buffer
-        shards_move = offload_param == "nvme" or (offload_param == "cpu" and not on_host)
-        separate = delayed or not on_host or shards_move
-        for unit in inner.units:
-            if offload_optimizer or (shards_move and unit.shard_params):
-                self._place_masters(unit, copy=separate)
+        self.grads_on_host: set[int] = set()  # units whose gradient already moved this step
         self.shard_store = None
         self.swap_dirs: dict[str, object] = {}  # nvme_path -> this rank's SwapDir there
-        if self.offload_param and make_shard_store is not None:
-            self.shard_store = make_shard_store(self, sharded)
-            for unit in sharded:
-                unit.shard_store = self.shard_store
-        elif self.offload_param:  # no hook in ZeroUnit: CPU only (setup.py), shards already host
-            self._host.extend(u.shard for u in sharded)
 
-    def __getattr__(self, name):  # only called for names not defined here
-        return getattr(self.__dict__["inner"], name)
+    def bind(self, zero) -> None:
+        on_host = self.device.type == "cpu"
+        sharded = [u for u in zero.units if u.shard_params]
+        # a shard that leaves this memory (to a file, or from a device to the host) cannot
+        # stay the fp32 master it was in fp32 training: masters get their own host buffer
+        op = self._param_tier
+        shards_move = op == "nvme" or (op == "cpu" and not on_host)
+        separate = self.runner is not None or not on_host or shards_move
+        for unit in zero.units:
+            if self.offload_optimizer or (shards_move and unit.shard_params):
+                self._place_masters(zero, unit, copy=separate)
+        if self.offload_param and self.make_shard_store is not None:
+            self.shard_store = self.make_shard_store(self, sharded)
+            for unit in sharded:
+                unit.use_store(self.shard_store)
 
     # -- placement ----------------------------------------------------------------------------
-    def _place_masters(self, unit, copy: bool) -> None:
+    def _place_masters(self, zero, unit, copy: bool) -> None:
         """Point the unit's masters at one host buffer (Note [offload on a CPU-only machine])."""
         if unit.master_buffer is None and not copy:
             return  # fp32 on the CPU: the master is the parameter's own slice (counted there)
-        buf = host_empty(unit.layout.shard_numel, torch.float32, pin=self.pin).zero_()
-        for i, (lay, p, m) in enumerate(zip(unit.layout.params, unit.params, unit.masters)):
-            view = buf[lay.offset : lay.offset + m.numel()]
+        buf = host_empty(unit.shard_numel, torch.float32, pin=self.pin).zero_()
+        for i, (s, p, m) in enumerate(zip(unit.spans, unit.params, unit.masters)):
+            view = buf[s.offset : s.offset + s.numel]
             view.copy_(m.detach())
             # A new Parameter, not `m.data = view`: a master made from a slice of its
             # parameter shares the parameter's autograd version counter, and a host step
@@ -108,7 +96,7 @@ class OffloadedZero:
             # in-place edit of a tensor saved for backward.
             fresh = nn.Parameter(view, requires_grad=m.requires_grad)
             unit.masters[i] = fresh
-            self.inner.master_of[id(p)] = fresh  # the optimizer is built from this map
+            zero.master_of[id(p)] = fresh  # the optimizer is built from this map
         unit.master_buffer = buf
         self._host.append(buf)
 
@@ -117,63 +105,67 @@ class OffloadedZero:
             unit.grad_shard.dtype != torch.float32 or unit.grad_shard.device != unit.master_buffer.device
             or self.device.type != "cpu")
 
-    def _move_grad_shard(self, unit) -> bool:
+    def grad_shard_ready(self, unit) -> None:
         """Copy one unit's reduced gradient into its host fp32 buffer (non-blocking into
-        pinned memory on an accelerator). Called by the strategy as each unit's
-        reduction lands at the accumulation boundary, so the copies overlap the rest of
-        backward; returns whether a copy was made."""
+        pinned memory on an accelerator), as each unit's reduction lands at the
+        accumulation boundary, so the copies overlap the rest of backward. A delayed
+        update still reads last step's host gradients meanwhile: it copies at the step."""
+        if self.runner is None:
+            self._move_grad_shard(unit)
+
+    def _move_grad_shard(self, unit) -> bool:
         if unit.grad_shard is None or not self._copies_grads(unit):
             return False
         host = self._host_grads.get(id(unit))
         if host is None:
-            host = self._host_grads[id(unit)] = host_empty(unit.layout.shard_numel, pin=self.pin)
+            host = self._host_grads[id(unit)] = host_empty(unit.shard_numel, pin=self.pin)
             self._host.append(host)
         host.copy_(unit.grad_shard, non_blocking=True)
-        self._grads_on_host.add(id(unit))
+        self.grads_on_host.add(id(unit))
         return True
 
-    def _attach_host_grads(self) -> None:
+    def attach_grads(self, units) -> None:
         """Gradient shards -> host fp32 buffers, unit by unit; masters' .grad view them."""
-        copied = bool(self._grads_on_host)
-        for unit in self.inner.units:
+        copied = bool(self.grads_on_host)
+        for unit in units:
             if unit.grad_shard is None:
                 continue
             if not self._copies_grads(unit):
                 unit.attach_master_grads()
                 continue
-            if id(unit) not in self._grads_on_host:
+            if id(unit) not in self.grads_on_host:
                 copied |= self._move_grad_shard(unit)
             host = self._host_grads[id(unit)]
-            for lay, m in zip(unit.layout.params, unit.masters):
+            for s, m in zip(unit.spans, unit.masters):
                 if m.requires_grad:
-                    m.grad = host[lay.offset : lay.offset + m.numel()]
+                    m.grad = host[s.offset : s.offset + s.numel]
         if copied and self.device.type != "cpu":
             from meshspeed.runtime.accelerator import get_accelerator
 
             get_accelerator(self.device.type).synchronize()  # non-blocking D2H copies landed
-        self._grads_on_host.clear()
+        self.grads_on_host.clear()
 
-    # -- strategy protocol ----------------------------------------------------------------------
-    def prepare_step(self) -> list[nn.Parameter]:
-        self._settle()
-        self._attach_host_grads()
-        return self.inner.masters()
+    # -- the step -------------------------------------------------------------------------------
+    def before_step(self, zero) -> None:
+        self._settle(zero)
 
-    def finish_step(self) -> None:
+    def finish_step(self, zero) -> None:
         if self.runner is None:
-            self.inner.finish_step()
+            for unit in zero.units:
+                unit.publish_masters()
+                unit.drop_grads()
             return
         self._published = False  # the update (if the engine started one) is still running
-        for unit in self.inner.units:
+        for unit in zero.units:
             unit.drop_grads()
 
-    def _settle(self) -> None:
+    def _settle(self, zero) -> None:
         """Delayed updates: wait for the running update and publish its result."""
         if self.runner is None:
             return
         self.runner.wait()
         if not self._published:
-            for unit in self.inner.units:
+            for unit in zero.units:
                 unit.publish_masters()
             self._published = True
 
@@ -181,29 +173,22 @@ class OffloadedZero:
         if self.runner is not None:
             self.runner.wait()
 
-    def flush(self) -> None:
-        """Finish a delayed update and publish it (a collective: call on every rank)."""
-        self._settle()
-
-    def owned_slices(self):
-        self.wait()  # masters are final once the running update is done
-        return self.inner.owned_slices()
-
-    def sync_params_from_masters(self) -> None:
-        self.wait()
-        self.inner.sync_params_from_masters()
+    def published(self) -> None:
         self._published = True
 
-    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        out = self.inner.memory_tensors()
-        out["grads"] = out.get("grads", []) + list(self._host_grads.values())
-        return out
+    def flush(self, zero) -> None:
+        """Finish a delayed update and publish it (a collective: call on every rank)."""
+        self._settle(zero)
 
-    def host_tensors(self) -> list[torch.Tensor]:
+    # -- accounting -----------------------------------------------------------------------------
+    def extra_grads(self) -> list[torch.Tensor]:
+        return list(self._host_grads.values())
+
+    def host_tensors(self, zero) -> list[torch.Tensor]:
         """Tensors that are host tier by placement (see meshspeed/offload/tiers.py)."""
-        shards = [] if self.shard_store is None else self.shard_store.host_tensors(
-            [u for u in self.inner.units if u.shard_params])
-        return list(self._host) + shards
+        if self.shard_store is None:
+            return list(self._host)
+        return list(self._host) + self.shard_store.host_tensors([u for u in zero.units if u.shard_params])
 
     def swap_dir(self, nvme_path: str):
         """This rank's swap directory under `nvme_path` (one per path, shared by owners)."""
@@ -221,8 +206,7 @@ class OffloadedZero:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
-        close = getattr(self.shard_store, "close", None)
-        if close is not None:
-            close()
+        if self.shard_store is not None:
+            self.shard_store.close()
         for swapdir in self.swap_dirs.values():
             swapdir.close()

@@ -1,9 +1,10 @@
-"""Offload at initialize: check the config, wrap the strategy, wrap the optimizer.
+"""Offload at initialize: check the config, make the placement, wrap the optimizer.
 
 `meshspeed.initialize` calls, in order:
   check_offload(cfg, client_optimizer)    -> ConfigError before anything is built
-  apply_offload(strategy, cfg)            -> the strategy, or OffloadedZero around it
-  offload_optimizer(optimizer, cfg, strategy) -> the optimizer, or OffloadOptimizer
+  offload_placement(cfg)                  -> an OffloadPlacement for Zero, or None
+  check_host_memory(strategy, cfg)        -> ConfigError when the host cannot hold it
+  offload_optimizer(optimizer, cfg, placement) -> the optimizer, or OffloadOptimizer
 Each is the identity when the config offloads nothing.
 """
 
@@ -17,8 +18,7 @@ from meshspeed import comm
 from meshspeed.config.errors import ConfigError
 from meshspeed.offload.hostmem import available_host_bytes, local_world_size
 from meshspeed.offload.kernels import AdamRule, SgdRule
-from meshspeed.offload.param import supports_shard_store
-from meshspeed.offload.placement import OffloadedZero
+from meshspeed.offload.placement import OffloadPlacement
 from meshspeed.offload.swapdir import check_nvme_path
 
 log = logging.getLogger("meshspeed")
@@ -56,21 +56,14 @@ def _problems(cfg, client_optimizer) -> list[str]:
     if op != "none" and z.stage != 3:
         out.append(f"{_OP}: needs ZeRO stage 3 (got stage {z.stage}): only stage 3 keeps "
                    "parameters as per-rank slices that can live off the device")
-    hook = supports_shard_store()
-    if op == "nvme" and not hook:
-        out.append(f"{_OP}.device: \"nvme\" needs ZeroUnit's shard_store hook, which this "
-                   "build lacks (docs/offload.md); use \"cpu\"")
     if op == "nvme" and oo == "none":
         out.append(f"{_OP}.device: \"nvme\" needs offload_optimizer (\"cpu\" or \"nvme\"): "
                    "the fp32 masters must live apart from the swapped shards")
-    if op == "nvme" and hook:
+    if op == "nvme":
         try:
             check_nvme_path(z.offload_param.nvme_path, f"{_OP}.nvme_path")
         except ConfigError as err:
             out.extend(err.problems)
-    if op != "none" and not hook and get_device().type != "cpu":
-        out.append(f"{_OP}: on {get_device().type} this needs ZeroUnit's shard_store hook "
-                   "(docs/offload.md); use offload_optimizer")
     if oo == "none":
         if z.offload_optimizer is not None and z.offload_optimizer.delayed_update:
             out.append(f"{_OO}.delayed_update: needs device \"cpu\" or \"nvme\"")
@@ -129,24 +122,21 @@ def _pin(cfg) -> bool:
     return asked and get_accelerator().is_pin_available()
 
 
-def apply_offload(strategy, cfg):
-    """The strategy with masters, their gradients and (stage 3) shards in host memory."""
+def offload_placement(cfg) -> OffloadPlacement | None:
+    """Where Zero keeps masters, their gradients and (stage 3) shards; None: on the device."""
     if not offloads(cfg):
-        return strategy
+        return None
     oo, op = _devices(cfg)
     o = cfg.zero_optimization.offload_optimizer
-    placed = OffloadedZero(strategy, device=get_device(), offload_optimizer=oo != "none",
-                           offload_param=op, pin=_pin(cfg),
-                           delayed=oo != "none" and o.delayed_update,
-                           make_shard_store=_shard_store_factory(cfg, op))
-    if oo != "none":
-        _check_host_memory(placed, oo)
-    return placed
+    return OffloadPlacement(device=get_device(), offload_optimizer=oo != "none",
+                            offload_param=op, pin=_pin(cfg),
+                            delayed=oo != "none" and o.delayed_update,
+                            make_shard_store=_shard_store_factory(cfg, op))
 
 
 def _shard_store_factory(cfg, op: str):
-    """How stage-3 shards are stored (param.py), or None where ZeroUnit has no hook."""
-    if op == "none" or not supports_shard_store():
+    """How stage-3 shards are stored (param.py), or None when they stay on the device."""
+    if op == "none":
         return None
     from meshspeed.offload.param import HostShardStore, NvmeShardStore
 
@@ -168,9 +158,12 @@ def _shard_store_factory(cfg, op: str):
     return make
 
 
-def _check_host_memory(placed: OffloadedZero, tier: str) -> None:
+def check_host_memory(strategy, cfg) -> None:
     """Pain point 19: fail at initialize, with numbers, rather than when the host OOMs."""
-    owned = sum(u.layout.shard_numel for u in placed.units)
+    tier = _devices(cfg)[0]
+    if tier == "none":
+        return
+    owned = sum(u.shard_numel for u in strategy.units)
     need = owned * (4 + 4 + (8 if tier == "cpu" else 0))  # masters, grads, (Adam state)
     free = available_host_bytes()
     problems = []
@@ -182,9 +175,9 @@ def _check_host_memory(placed: OffloadedZero, tier: str) -> None:
     _agree(problems)
 
 
-def offload_optimizer(optimizer: torch.optim.Optimizer, cfg, strategy):
+def offload_optimizer(optimizer: torch.optim.Optimizer, cfg, placement: OffloadPlacement | None):
     """The config's optimizer rebuilt as an `OffloadOptimizer` over the host masters."""
-    if not isinstance(strategy, OffloadedZero) or not strategy.offload_optimizer:
+    if placement is None or not placement.offload_optimizer:
         return optimizer
     from meshspeed.offload.optimizer import OffloadOptimizer
 
@@ -195,13 +188,13 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, cfg, strategy):
         from meshspeed.offload.state import HostStore
 
         def make_store(sub_groups):
-            return HostStore(rule, strategy.pin)
+            return HostStore(rule, placement.pin)
     else:
         def make_store(sub_groups):
-            return _swap_store(rule, sub_groups, cfg, strategy)
+            return _swap_store(rule, sub_groups, cfg, placement)
 
     return OffloadOptimizer(optimizer, rule, make_store, sub_group_size=z.sub_group_size,
-                            runner=strategy.runner)
+                            runner=placement.runner)
 
 
 def _rule(optimizer: torch.optim.Optimizer):
@@ -217,17 +210,17 @@ def _rule(optimizer: torch.optim.Optimizer):
     raise ConfigError([f"{_OO}: {type(optimizer).__name__} cannot be offloaded (Adam, AdamW, SGD)"])
 
 
-def _swap_store(rule, sub_groups, cfg, strategy):
+def _swap_store(rule, sub_groups, cfg, placement):
     from meshspeed.offload.aio import SwapEngine
     from meshspeed.offload.state import SwapStore
 
     o = cfg.zero_optimization.offload_optimizer
     a = cfg.aio
-    swapdir = strategy.swap_dir(o.nvme_path)
+    swapdir = placement.swap_dir(o.nvme_path)
     engine = SwapEngine(block_size=a.block_size, queue_depth=a.queue_depth,
                         thread_count=a.thread_count, single_submit=a.single_submit,
                         overlap_events=a.overlap_events)
     store = SwapStore(rule, sub_groups, swapdir.sub("optimizer"), engine,
-                      buffer_count=o.buffer_count, pin=strategy.pin, preallocate=not o.fast_init)
+                      buffer_count=o.buffer_count, pin=placement.pin, preallocate=not o.fast_init)
     store.owner = swapdir  # the directory lives as long as the store
     return store

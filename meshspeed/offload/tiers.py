@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from meshspeed.engine.memory import CATEGORIES, optimizer_state_tensors
+from meshspeed.offload.optimizer import OffloadOptimizer
 from meshspeed.runtime.accelerator import get_accelerator
 
 TIERS = ("device", "host", "nvme")
@@ -25,17 +26,16 @@ TIERS = ("device", "host", "nvme")
 def resident_state_tensors(optimizer) -> list[torch.Tensor]:
     """Optimizer state held in memory; an offloaded optimizer reports it without swapping
     anything in (iterating `state` of swapped state would read it all from disk)."""
-    own = getattr(optimizer, "memory_tensors", None)
-    return own() if own is not None else optimizer_state_tensors(optimizer)
+    if isinstance(optimizer, OffloadOptimizer):
+        return optimizer.memory_tensors()
+    return optimizer_state_tensors(optimizer)
 
 
 def add_tiers(out: dict, tensors: dict, strategy, optimizer) -> dict:
     """Add NVMe bytes to their categories and the `"tiers"` split to `out` (in place)."""
-    host_keys = set()
-    for owner in (strategy, optimizer):
-        listed = getattr(owner, "host_tensors", None)
-        for t in listed() if listed is not None else ():
-            host_keys.add(_key(t))
+    offloaded = isinstance(optimizer, OffloadOptimizer)
+    host = strategy.host_tensors() + (optimizer.host_tensors() if offloaded else [])
+    host_keys = {_key(t) for t in host}
     cpu_device = get_accelerator().name == "cpu"
     tiers = dict.fromkeys(TIERS, 0)
     seen = set()
@@ -46,9 +46,8 @@ def add_tiers(out: dict, tensors: dict, strategy, optimizer) -> dict:
             seen.add(_key(t))
             on_host = _key(t) in host_keys or (t.device.type == "cpu" and not cpu_device)
             tiers["host" if on_host else "device"] += t.untyped_storage().nbytes()
-    for owner in (strategy, optimizer):
-        nvme = getattr(owner, "nvme_bytes", None)
-        for cat, nbytes in (nvme() if nvme is not None else {}).items():
+    for nvme in (strategy.nvme_bytes(), optimizer.nvme_bytes() if offloaded else {}):
+        for cat, nbytes in nvme.items():
             out[cat] = out.get(cat, 0) + nbytes
             tiers["nvme"] += nbytes
     out["total"] = sum(out[c] for c in CATEGORIES if c in out)

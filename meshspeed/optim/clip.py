@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from meshspeed import comm
 
 
-def global_grad_norm(grads: list[torch.Tensor], group=None, sharded: bool = False,
+def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
                      device: torch.device | None = None) -> torch.Tensor:
-    """L2 norm of all gradients; with `sharded`, each rank holds a disjoint slice, and the
-    squares are summed over `group` (one scalar all-reduce, on `device`: the backend's
-    device, which for NCCL is the GPU even when offloaded gradients live on the host)."""
+    """L2 norm of all gradients. `groups`: the groups over which ranks hold disjoint slices
+    of the gradients (the strategy's `grad_norm_groups()`); the squares are summed over
+    each, one scalar all-reduce per group, on `device`: the backend's device, which for
+    NCCL is the GPU even when offloaded gradients live on the host. Empty: every rank
+    holds all gradients, no collective."""
     if grads:
         sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
     else:
         sq = torch.zeros(())
-    if sharded:
+    if groups:
         home = sq.device
         sq = sq.to(device or home)
-        comm.all_reduce(sq, group=group)
+        for group in groups:
+            comm.all_reduce(sq, group=group)
         sq = sq.to(home)
     return sq.sqrt()
 

@@ -13,24 +13,29 @@ from torch import nn
 
 
 class ReadinessTracker:
-    """Calls `on_ready(unit_index)` once all trainable params of a unit have gradients."""
+    """Calls `on_ready(unit_index)` once all trainable params of a unit have gradients, and
+    (armed only) `on_param(unit_index, param_index)` as each of them gets its gradient."""
 
-    def __init__(self, units_params: list[list[nn.Parameter]], on_ready: Callable[[int], None]):
+    def __init__(self, units_params: list[list[nn.Parameter]], on_ready: Callable[[int], None],
+                 on_param: Callable[[int, int], None] | None = None):
         self.on_ready = on_ready
+        self.on_param = on_param
         self.expected = [sum(p.requires_grad for p in ps) for ps in units_params]
         self.seen = [0] * len(units_params)
         self.done = [False] * len(units_params)
         self.armed = False
         self.handles = []
         for u, params in enumerate(units_params):
-            for p in params:
+            for i, p in enumerate(params):
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._hook(u)))
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._hook(u, i)))
 
-    def _hook(self, unit: int):
+    def _hook(self, unit: int, index: int):
         def hook(_param):
             if not self.armed:
                 return
+            if self.on_param is not None:
+                self.on_param(unit, index)
             self.seen[unit] += 1
             if self.seen[unit] == self.expected[unit]:
                 self.fire(unit)

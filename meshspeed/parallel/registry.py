@@ -1,7 +1,10 @@
 """Which strategy owns a parameter, without storing anything on the parameter itself.
 
 Strategies register their parameters here; `meshspeed.zero.GatheredParameters` asks the
-owner to gather, publish modifications and release. Entries disappear with their owner.
+owner to gather, publish modifications and release. Keys are the parameters themselves,
+held weakly and compared by identity (`id(param)` could be reused by a new parameter
+after the old one died, and would then name the wrong owner); the owner is held weakly
+too, so an entry goes with either.
 """
 
 from __future__ import annotations
@@ -10,14 +13,17 @@ import weakref
 from collections.abc import Iterable
 
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-_OWNERS: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register(params: Iterable[nn.Parameter], owner: object) -> None:
+    ref = weakref.ref(owner)
     for p in params:
-        _OWNERS[id(p)] = owner
+        _OWNERS[p] = ref
 
 
 def owner_of(param: nn.Parameter) -> object | None:
-    return _OWNERS.get(id(param))
+    ref = _OWNERS.get(param)
+    return None if ref is None else ref()

@@ -57,13 +57,3 @@ def test_nvme_optimizer_limits(tmp_path):
     assert "buffer_count: 1 is fewer than the 2 swap buffers" in msg
     (msg,) = _error(2, offload("nvme", str(tmp_path)), optimizer="SGD")
     assert "supports Adam and AdamW" in msg
-
-
-def test_param_nvme_without_the_unit_hook(tmp_path):
-    from meshspeed.offload.param import supports_shard_store
-
-    if supports_shard_store():
-        pytest.skip("ZeroUnit has the shard_store hook")
-    (msg,) = _error(3, {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
-                        **offload("cpu")})
-    assert "shard_store hook" in msg

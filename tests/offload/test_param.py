@@ -10,7 +10,7 @@ import torch
 
 from meshspeed.config import ConfigError
 from meshspeed.offload.aio import SwapEngine
-from meshspeed.offload.param import HostShardStore, NvmeShardStore, supports_shard_store
+from meshspeed.offload.param import HostShardStore, NvmeShardStore
 from meshspeed.testing import run_distributed
 from tests.offload.workers import breakdown, exact_adamw, offload, runs_and_cleanup, setup
 
@@ -60,11 +60,7 @@ def test_host_store_on_cpu_serves_the_shard_itself():
     assert units[1].shard.abs().sum() == 0
 
 
-needs_hook = pytest.mark.skipif(not supports_shard_store(),
-                                reason="ZeroUnit has no shard_store hook in this build")
 
-
-@needs_hook
 def test_param_offload_matches_stage3(tmp_path):
     zero_nvme = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path),
                                    "buffer_count": 2}, **offload("cpu")}
@@ -83,7 +79,6 @@ def test_param_offload_matches_stage3(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@needs_hook
 def test_param_nvme_bytes_match_the_files(tmp_path):
     zero = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
             **offload("nvme", str(tmp_path))}

@@ -114,7 +114,7 @@ def breakdown(s: ParitySetup, steps: int = 2) -> dict:
     mem = engine.memory_breakdown()
     owned = sum(sl.end - sl.start for sl in engine.strategy.owned_slices() if sl.requires_grad)
     files = 0
-    swap_dirs = getattr(engine.strategy, "swap_dirs", {})
+    swap_dirs = getattr(engine.strategy.placement, "swap_dirs", {})  # offloaded runs only
     swap_root = next((d.path for d in swap_dirs.values()), None)
     if swap_root is not None:
         for root, _, names in os.walk(swap_root):
@@ -188,6 +188,6 @@ def grads_moved_during_backward(s: ParitySetup) -> tuple[int, int]:
     batch = make_batches(s)[0][0]
     rows = batch[comm.get_rank() * s.micro:(comm.get_rank() + 1) * s.micro]
     engine.backward(engine(rows[:, :-1], rows[:, 1:]))
-    moved = len(engine.strategy._grads_on_host)
+    moved = len(engine.strategy.placement.grads_on_host)
     engine.step()
     return moved, len(engine.strategy.units)

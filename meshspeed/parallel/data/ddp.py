@@ -14,45 +14,26 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.parallel import registry
-from meshspeed.parallel.buckets import split_by_numel, trainable
+from meshspeed.parallel.buckets import GradViews, split_by_numel, trainable
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice
+from meshspeed.parallel.weak import weak_method
 
 
-class _Bucket:
+class _Bucket(GradViews):
+    """Gradients of consecutive parameters in one flat buffer, all-reduced as one."""
+
     def __init__(self, params: list[nn.Parameter], comm_dtype: torch.dtype):
-        self.params = params
-        dtype, device = params[0].dtype, params[0].device
-        self.offsets, total = [], 0
+        offsets, total = [], 0
         for p in params:
-            self.offsets.append(total)
+            offsets.append(total)
             total += p.numel()
-        self.grads = torch.zeros(total, dtype=dtype, device=device)  # views back each .grad
+        super().__init__(params, offsets, total)
         # gradients are reduced in comm_dtype; when it differs from the parameter dtype the
         # reduced fp32 values are kept here and become the fp32 master gradients
-        self.reduced = None if comm_dtype == dtype else torch.zeros(total, dtype=comm_dtype, device=device)
+        dtype = self.flat.dtype
+        self.reduced = None if comm_dtype == dtype else torch.zeros(total, dtype=comm_dtype, device=self.flat.device)
         self.work = None
-
-    def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return buffer[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
-
-    def bind_grads(self) -> None:
-        """Make each parameter's .grad a zeroed view of this bucket."""
-        self.grads.zero_()
-        for i, p in enumerate(self.params):
-            if p.requires_grad:
-                p.grad = self.view(self.grads, i)
-
-    def collect(self) -> None:
-        """Copy any gradient that autograd did not accumulate in place into the bucket."""
-        for i, p in enumerate(self.params):
-            view = self.view(self.grads, i)
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
 
 
 class DataParallel:
@@ -78,13 +59,13 @@ class DataParallel:
             _Bucket(ps, comm_dtype) for ps in split_by_numel(reversed(trainable(params)), bucket_numel)
         ]
         for b in self.buckets:
-            b.bind_grads()
+            b.bind()
         self.mixed = any(p.dtype != torch.float32 for p in params)
         self.master_of = {
             id(p): (nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) if self.mixed else p)
             for p in params
         }
-        self.tracker = ReadinessTracker([b.params for b in self.buckets], self._launch)
+        self.tracker = ReadinessTracker([b.params for b in self.buckets], weak_method(self._launch))
         self._sync_params()
         registry.register(params, self)
 
@@ -103,7 +84,7 @@ class DataParallel:
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         bucket.collect()
-        buf = bucket.grads if bucket.reduced is None else bucket.reduced.copy_(bucket.grads)
+        buf = bucket.flat if bucket.reduced is None else bucket.reduced.copy_(bucket.flat)
         bucket.work = comm.all_reduce(buf, group=self.group, async_op=self.overlap)
 
     def finish_backward(self) -> None:
@@ -116,7 +97,7 @@ class DataParallel:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            reduced = bucket.grads if bucket.reduced is None else bucket.reduced
+            reduced = bucket.flat if bucket.reduced is None else bucket.reduced
             reduced.div_(self.world)
             for i, p in enumerate(bucket.params):
                 if self.mixed:
@@ -126,8 +107,18 @@ class DataParallel:
     def masters(self) -> list[nn.Parameter]:
         return [self.master_of[id(p)] for p in self.params]
 
-    def grads_are_sharded(self) -> bool:
+    def grad_norm_groups(self) -> list:
+        return []  # every rank holds every (reduced) gradient: norms need no collective
+
+    @property
+    def shards_params(self) -> bool:
         return False
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def finish_step(self) -> None:
         if self.mixed:
@@ -135,7 +126,7 @@ class DataParallel:
                 p.data.copy_(self.master_of[id(p)].data)
                 self.master_of[id(p)].grad = None
         for b in self.buckets:
-            b.bind_grads()
+            b.bind()
 
     # -- checkpoint contract ----------------------------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:
@@ -169,6 +160,15 @@ class DataParallel:
         return {
             "params": list(self.params),
             "master_params": masters,
-            "grads": [b.grads for b in self.buckets],
+            "grads": [b.flat for b in self.buckets],
             "comm_buffers": [b.reduced for b in self.buckets if b.reduced is not None],
         }
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def nvme_bytes(self) -> dict[str, int]:
+        return {}
+
+    def peak_gathered_bytes(self) -> int:
+        return 0

@@ -76,8 +76,11 @@ class Init:
         self.seed = seed
         self.peak_materialized_bytes = 0
         self._module = module
-        self._parents: dict[int, nn.Module] = {}
-        self._children: set[int] = set()
+        # modules seen while building, by identity and held weakly: an id() could be
+        # reused by a later module once a temporary one is collected, and would then mark
+        # a root as somebody's child (and leave it unpartitioned)
+        self._parents: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._children: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __enter__(self):
         if not self.enabled:
@@ -95,12 +98,12 @@ class Init:
         return self
 
     def _on_submodule(self, module, name, submodule):
-        self._parents.setdefault(id(module), module)
+        self._parents[module] = True
         if submodule is not None:
-            self._children.add(id(submodule))
+            self._children[submodule] = True
 
     def _on_parameter(self, module, name, param):
-        self._parents.setdefault(id(module), module)
+        self._parents[module] = True
 
     def __exit__(self, exc_type, exc, tb):
         if not self.enabled:
@@ -109,10 +112,11 @@ class Init:
             h.remove()
         self._meta.__exit__(exc_type, exc, tb)
         if exc_type is None:
-            roots = [m for i, m in self._parents.items() if i not in self._children]
+            roots = [m for m in list(self._parents.keys()) if m not in self._children]
             for root in roots:
                 self._materialize(root)
         self._parents.clear()
+        self._children.clear()
         return False
 
     @torch.no_grad()
@@ -121,7 +125,9 @@ class Init:
         plan = module_units(root, persistence_threshold=0)
         names = {id(m): n for n, m in root.named_modules()}
         done: set[int] = set()
-        fresh: dict[int, nn.Parameter] = {}  # meta parameter -> its real replacement (ties kept)
+        # meta parameter -> its real replacement (ties kept); keyed by identity, with the
+        # meta parameter held so that its id cannot be reused meanwhile
+        fresh: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         for index, unit in enumerate(plan.units):
             # the modules whose own tensors belong to this unit
             owners = unit.module.modules() if unit.module is not root else _non_block_modules(root, plan)
@@ -154,14 +160,14 @@ class Init:
         self.peak_materialized_bytes = max(self.peak_materialized_bytes, live)
 
 
-def _materialize_own(module: nn.Module, fresh: dict[int, nn.Parameter]) -> None:
+def _materialize_own(module: nn.Module, fresh: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
     """Replace a module's own meta tensors with real (uninitialised) CPU tensors."""
     for name, p in list(module._parameters.items()):
         if p is None or not p.is_meta:
             continue
         if id(p) not in fresh:
-            fresh[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-        setattr(module, name, fresh[id(p)])
+            fresh[id(p)] = (p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad))
+        setattr(module, name, fresh[id(p)][1])
     for name, b in list(module._buffers.items()):
         if b is not None and b.is_meta:
             module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)

@@ -87,7 +87,8 @@ class Fetcher:
     def fetch(self, index: int, direction: Pass) -> None:
         """Unit `index` is about to run: make it whole, then prefetch what usually follows."""
         upcoming = self.traces[direction].record(index)
-        self.units[index].gather()
+        if self.units[index].state is not ParamState.WHOLE:  # (a module run twice is whole)
+            self.units[index].gather()
         budget = self.prefetch_numel
         for nxt in upcoming[: self.max_ahead]:
             unit = self.units[nxt]

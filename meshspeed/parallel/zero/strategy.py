@@ -1,8 +1,10 @@
-"""ZeRO stages 1-3 composed from units, the stage table and (stage 3) the fetcher.
+"""ZeRO stages 1-3 composed from units, the stage table, a placement and (stage 3) the fetcher.
 
-The engine drives a strategy through one small protocol, shared with data parallelism:
-`begin_micro_step(boundary)`, `finish_backward()`, `prepare_step() -> masters`,
-`finish_step()`, `masters()`, `grads_are_sharded()`, `memory_tensors()`.
+Stages 1 and 2 build `FlatUnit`s (flat.py): consecutive parameters in reverse registration
+order (about the order backward produces gradients), at most `unit_numel(...)` elements
+each. Stage 3 builds one `ZeroUnit` per block, a root unit, and one `FlatUnit` for the
+parameters below the persistence threshold (whole on every rank, gradients reduced as in
+stage 2). The engine drives the strategy through meshspeed/parallel/protocol.py.
 """
 
 from __future__ import annotations
@@ -16,18 +18,38 @@ from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice
+from meshspeed.parallel.weak import weak_method
+from meshspeed.parallel.zero.flat import FlatUnit
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units
+from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
+from meshspeed.parallel.zero.placement import DevicePlacement
 from meshspeed.parallel.zero.prefetch import Fetcher, Pass, attach_pre_backward
 from meshspeed.parallel.zero.stages import STAGES
+from meshspeed.parallel.zero.staging import StagingPool
 from meshspeed.parallel.zero.unit import ParamState, ZeroUnit
+
+# Note [unit size for stages 1 and 2]
+# A unit is what one reduce-scatter and one all-gather move. Stage 2 holds the full
+# gradients of at most a few units at once (Note [staging pool]), so a unit of the whole
+# model would hold the whole model's gradients, which is what stage 2 exists to avoid.
+# Units are therefore at most `reduce_bucket_size` elements and at most an eighth of the
+# model, but never under 2^20 elements, below which per-collective latency dominates.
+MIN_UNIT_NUMEL = 1 << 20
+UNITS_PER_MODEL = 8
+
+
+def unit_numel(total_numel: int, reduce_bucket_size: int) -> int:
+    """Most elements in one stage-1/2 unit (Note [unit size for stages 1 and 2])."""
+    share = -(-total_numel // UNITS_PER_MODEL)
+    return max(1, min(reduce_bucket_size, max(share, MIN_UNIT_NUMEL)))
 
 
 class Zero:
     def __init__(
         self,
         module: nn.Module,
-        group,
+        groups: UnitGroups | None = None,
         *,
         stage: int,
         bucket_numel: int = 500_000_000,
@@ -35,67 +57,82 @@ class Zero:
         prefetch_numel: int = 50_000_000,
         max_live_numel: int = 1_000_000_000,
         comm_dtype: torch.dtype = torch.float32,
+        placement=None,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"Zero handles stages 1-3, got {stage}")
         self.stage = stage
         self.spec = STAGES[stage]
         self.module = module
-        self.group = group
+        self.groups = groups if isinstance(groups, UnitGroups) else UnitGroups(shard=groups)
+        self.placement = placement or DevicePlacement()
         self._gather_built_under_init(module, persistence_threshold)
-        self._broadcast_from_first_rank(module)
-        plan: GroupingPlan = (
-            module_units(module, persistence_threshold) if self.spec.shard_params
-            else bucket_units(module, bucket_numel)
-        )
-        self.units = [
-            ZeroUnit(u.name, u.params, group, shard_params=u.shard_params, comm_dtype=comm_dtype)
-            for u in plan.units
-        ]
+        self._broadcast_stage3_params(module)
+        device = next(module.parameters()).device
+        self.pool = StagingPool(comm_dtype, device)
+        if self.spec.shard_params:
+            plan: GroupingPlan = module_units(module, persistence_threshold)
+        else:
+            total = sum(p.numel() for p in module.parameters())
+            plan = bucket_units(module, unit_numel(total, bucket_numel))
+        self.units = [self._make_unit(u, comm_dtype) for u in plan.units]
         self.master_of = {
             id(p): m for unit in self.units for p, m in zip(unit.params, unit.masters)
         }
-        self.tracker = ReadinessTracker([u.params for u in self.units], self._reduce_unit)
+        self.tracker = ReadinessTracker([u.params for u in self.units], weak_method(self._reduce_unit),
+                                        on_param=weak_method(self._on_grad))
         self.unit_of = {id(p): unit for unit in self.units for p in unit.params}
         registry.register(module.parameters(), self)
         self.boundary = True
         self._pending: list = []  # (unit, finish) of reduce-scatters in flight
-        # called with each unit whose reduced gradient has landed at the accumulation
-        # boundary, while backward goes on (offload copies it to host memory right away)
-        self.grad_shard_ready = None
         self.fetcher = None
         self.root_index: int | None = None
         if self.spec.shard_params:
-            self.fetcher = Fetcher(self.units, prefetch_numel, max_live_numel)
+            self.fetcher = Fetcher([u for u in self.units if u.shard_params], prefetch_numel, max_live_numel)
+            self._fetch_index = {i: self.fetcher.units.index(u) for i, u in enumerate(self.units)
+                                 if u.shard_params}
             self._install_module_hooks(plan)
+        self.placement.bind(self)
+
+    def _make_unit(self, plan, comm_dtype):
+        if plan.shard_params:
+            return ZeroUnit(plan.name, plan.params, self.groups, comm_dtype=comm_dtype)
+        unit = FlatUnit(plan.name, plan.params, self.groups, keep_full_grads=not self.spec.shard_grads,
+                        pool=self.pool, comm_dtype=comm_dtype)
+        unit.broadcast_from(0)  # every replica starts from the first rank's values
+        return unit
 
     def _gather_built_under_init(self, module: nn.Module, persistence_threshold: int) -> None:
         """Parameters built by zero.Init that this stage keeps whole are gathered once."""
         for p in module.parameters():
             keep_whole = not self.spec.shard_params or p.numel() <= persistence_threshold
             if is_partitioned(p) and keep_whole:
-                gather_partitioned(p, self.group)
+                gather_partitioned(p, self.groups.shard)
 
-    def _broadcast_from_first_rank(self, module: nn.Module) -> None:
-        """Every replica starts from rank 0's values (zero.Init slices are already agreed)."""
+    def _broadcast_stage3_params(self, module: nn.Module) -> None:
+        """Stage 3: replicas start from the first rank's values before they are sliced
+        (flat units broadcast their own buffer; zero.Init slices are already agreed)."""
+        if not self.spec.shard_params:
+            return
         for p in module.parameters():
             if not is_partitioned(p):
-                comm.broadcast(p.data, src=0, group=self.group)
+                comm.broadcast(p.data, src=0, group=self.groups.shard)
 
     # -- stage 3 module hooks -------------------------------------------------------------
     def _install_module_hooks(self, plan: GroupingPlan) -> None:
         # the root's hooks bracket every pass (and record the unit order for prefetch) even
         # when the root owns no sharded parameter of its own
-        self.module.register_forward_pre_hook(self._root_pre_forward)
-        self.module.register_forward_hook(self._root_post_forward)
+        self.module.register_forward_pre_hook(weak_method(self._root_pre_forward))
+        self.module.register_forward_hook(weak_method(self._root_post_forward))
         for index, (unit_plan, unit) in enumerate(zip(plan.units, self.units)):
             if not unit.shard_params:
                 continue
+            fetch_index = self._fetch_index[index]
             if unit_plan.module is self.module:  # root: whole for the entire forward+backward
-                self.root_index = index
+                self.root_index = fetch_index
             else:
-                unit_plan.module.register_forward_pre_hook(partial(self._pre_forward, index))
-                unit_plan.module.register_forward_hook(partial(self._post_forward, index))
+                unit_plan.module.register_forward_pre_hook(weak_method(self._pre_forward, fetch_index))
+                unit_plan.module.register_forward_hook(weak_method(self._post_forward, fetch_index))
 
     def _root_pre_forward(self, module, args):
         self.fetcher.start(Pass.FORWARD)
@@ -112,8 +149,10 @@ class Zero:
 
     def _pre_forward(self, index, module, args):
         self.fetcher.fetch(index, Pass.FORWARD)
+        self.fetcher.units[index].in_use += 1
 
     def _post_forward(self, index, module, args, output):
+        self.fetcher.units[index].in_use -= 1
         training = torch.is_grad_enabled()
         if not (training and self.fetcher.last_in_forward(index)):
             self.fetcher.release(index)
@@ -126,28 +165,35 @@ class Zero:
     # -- backward -------------------------------------------------------------------------
     def begin_micro_step(self, boundary: bool) -> None:
         self.boundary = boundary
-        # stage 1 reduces once per step, from full gradients accumulated over micro-steps;
-        # stages 2-3 reduce every micro-step and keep only the owned, accumulated slice
-        self.tracker.arm(self.spec.reduce_every_micro_step)
+        # stage 1 reduces once per step, from full gradients accumulated over micro-steps
+        # (at the boundary backward, as each unit completes); stages 2-3 reduce every
+        # micro-step and keep only the owned, accumulated slice
+        self.tracker.arm(self.spec.reduce_every_micro_step or boundary)
+
+    def _on_grad(self, index: int, param_index: int) -> None:
+        unit = self.units[index]
+        if isinstance(unit, FlatUnit) and unit.grads is None:
+            unit.receive_grad(param_index)  # staged and freed as it arrives
 
     def _reduce_unit(self, index: int) -> None:
         """The unit's gradients are complete: launch their reduce-scatter, which runs in
-        the background while backward continues, and free the full gradients (and, under
-        stage 3, the full parameters) right away."""
+        the background while backward continues; the full gradients (and, under stage 3,
+        the full parameters) are freed right away."""
         unit = self.units[index]
-        self._pending.append((unit, unit.launch_reduce_scatter([p.grad for p in unit.params])))
-        for p in unit.params:
-            p.grad = None
-        if unit.shard_params and index != self.root_index:
+        self._pending.append((unit, unit.launch_reduce_scatter()))
+        if unit.shard_params and unit is not self._root_unit() and unit.state is not ParamState.SHARDED:
             unit.release()
         while len(self._pending) > 1:  # keep one reduction in flight, settle the older ones
             self._settle_one()
 
+    def _root_unit(self):
+        return None if self.root_index is None else self.fetcher.units[self.root_index]
+
     def _settle_one(self) -> None:
         unit, finish = self._pending.pop(0)
         unit.accumulate_grad_shard(finish())
-        if self.grad_shard_ready is not None and self.boundary:
-            self.grad_shard_ready(unit)
+        if self.boundary:
+            self.placement.grad_shard_ready(unit)
 
     def _settle_reductions(self) -> None:
         while self._pending:
@@ -159,82 +205,89 @@ class Zero:
         if self.fetcher is not None:
             self.fetcher.finish(Pass.BACKWARD)
             self.fetcher.release_all()
-        if not self.spec.reduce_every_micro_step and self.boundary:
-            for index in range(len(self.units)):
-                self._reduce_unit(index)
-            self._settle_reductions()
 
     # -- step -----------------------------------------------------------------------------
     def prepare_step(self) -> list[nn.Parameter]:
-        for unit in self.units:
-            unit.attach_master_grads()
+        self.placement.before_step(self)
+        self.placement.attach_grads(self.units)
         return self.masters()
 
     def masters(self) -> list[nn.Parameter]:
         return [m for unit in self.units for m in unit.masters]
 
-    def grads_are_sharded(self) -> bool:
-        return True
+    def grad_norm_groups(self) -> list:
+        return [self.groups.shard]
 
     def finish_step(self) -> None:
-        for unit in self.units:
-            unit.publish_masters()
-            unit.drop_grads()
+        self.placement.finish_step(self)
+
+    @property
+    def shards_params(self) -> bool:
+        return self.spec.shard_params
+
+    def flush(self) -> None:
+        self.placement.flush(self)
+
+    def close(self) -> None:
+        self.placement.close()
 
     # -- checkpoint contract ----------------------------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:
+        self.placement.wait()  # masters are final once a running update is done
         out = []
         for unit in self.units:
-            for name, lay, p, m in zip(unit.names, unit.layout.params, unit.params, unit.masters):
-                start = unit.rank * lay.chunk
-                out.append(OwnedSlice(name, lay.shape, unit.dtype, min(start, lay.numel),
-                                      min(start, lay.numel) + m.numel(), m, m, True, p.requires_grad))
+            for name, shape, p, s, m in zip(unit.names, unit.shapes, unit.params, unit.spans, unit.masters):
+                out.append(OwnedSlice(name, shape, unit.dtype, s.start, s.start + s.numel, m, m, True,
+                                      p.requires_grad))
         return out
 
     def sync_params_from_masters(self) -> None:
         """Masters were overwritten (checkpoint load): rebuild parameters from them."""
+        self.placement.wait()
         for unit in self.units:
             unit.publish_masters()
+        self.placement.published()
 
     # -- GatheredParameters ----------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> list[ZeroUnit]:
         """Make the units holding `params` whole; returns the ones this call gathered."""
         gathered = []
-        for unit in {id(self.unit_of[id(p)]): self.unit_of[id(p)] for p in params}.values():
-            if unit.shard_params and unit.state is ParamState.SHARDED:
+        for unit in self._units_of(params):
+            if unit.shard_params and unit.state is not ParamState.WHOLE:
                 unit.gather()
                 gathered.append(unit)
         return gathered
 
     def publish_user_changes(self, params: list[nn.Parameter], src_rank: int) -> None:
-        units = {id(self.unit_of[id(p)]): self.unit_of[id(p)] for p in params}.values()
         for p in params:
-            comm.broadcast(p.data, src=src_rank, group=self.group)
-        for unit in units:
+            comm.broadcast(p.data, src=src_rank, group=self.groups.shard)
+        for unit in self._units_of(params):
             unit.refresh_from_params()
 
     def release_for_user(self, gathered: list[ZeroUnit]) -> None:
         for unit in gathered:
             unit.release()
 
+    def _units_of(self, params):
+        return list({id(self.unit_of[id(p)]): self.unit_of[id(p)] for p in params}.values())
+
     # -- accounting -----------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params, gathered = [], []
-        for unit in self.units:
-            if unit.shard_params:
-                params.append(unit.shard)
-                gathered.extend(unit.params)
-            else:
-                params.extend(unit.params)
         return {
-            "params": params,
-            "gathered_params": gathered,
+            "params": [t for u in self.units for t in u.param_tensors()],
+            "gathered_params": [p for u in self.units if u.shard_params for p in u.params],
             # fp32 training: masters alias the params (or the stage-3 shard), nothing extra
             "master_params": [u.master_buffer for u in self.units if u.master_buffer is not None],
-            "grads": [u.grad_shard for u in self.units if u.grad_shard is not None]
-            + [p.grad for u in self.units for p in u.params if p.grad is not None],
-            "comm_buffers": [b for u in self.units for b in u.comm_buffers()],
+            "grads": [t for u in self.units for t in u.grad_tensors()] + self.placement.extra_grads(),
+            "comm_buffers": self.pool.tensors(),
         }
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return self.placement.host_tensors(self)
+
+    def nvme_bytes(self) -> dict[str, int]:
+        return self.placement.nvme_bytes()
 
     def peak_gathered_bytes(self) -> int:
         return 0 if self.fetcher is None else self.fetcher.peak_gathered_bytes
+

@@ -1,14 +1,17 @@
-"""One unit of ZeRO communication: the parameters one collective moves together.
+"""One unit of ZeRO-3 communication: the parameters one all-gather materialises together.
 
+(Stages 1 and 2, and stage 3's persistent small parameters, use `FlatUnit` in flat.py.)
 A unit owns, for this rank, the slices described by its `UnitLayout` (see
 Note [per-parameter sharding] in layout.py) and performs the three collectives of ZeRO on
 them as free-standing steps:
 
 - `launch_reduce_scatter`: full gradients -> this rank's gradient shard (averaged);
 - `all_gather_into_params`: this rank's updated shard -> every rank's full parameters;
-- `gather` / `release` (stage 3 only): materialise and drop the full parameters.
+- `gather` / `release`: materialise and drop the full parameters.
 
-Lifecycles are explicit (`ParamState`), and every transition checks where it starts from.
+Lifecycles are explicit (`ParamState`), and every transition checks where it starts from:
+gathering a whole unit, releasing a sharded one or one whose module is running, and a
+second reduce-scatter in one backward raise `LifecycleError`.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init import is_partitioned, take_shard
 from meshspeed.parallel.zero.layout import ParamLayout, UnitLayout
+from meshspeed.parallel.zero.lifecycle import LifecycleError, Span
 
 
 class ParamState(enum.Enum):
-    WHOLE = "whole"  # full parameters resident (stages 0-2, persistent params, gathered stage 3)
+    WHOLE = "whole"  # full parameters resident (gathered)
     GATHERING = "gathering"  # an all-gather is in flight (prefetch); `gather()` completes it
     SHARDED = "sharded"  # only this rank's shard resident; params hold empty placeholders
 
@@ -58,54 +63,51 @@ def gather_from_matrix(matrix: torch.Tensor, layout: ParamLayout, flat: torch.Te
 
 
 class ZeroUnit:
-    """Parameters of one communication unit and this rank's slices of them.
+    """Parameters of one stage-3 unit and this rank's slices of them.
 
-    `shard_params=True` (stage 3) keeps only the compute-dtype shard resident between uses.
-    `masters[i]` is the tensor the optimizer updates for `params[i]`: this rank's valid slice,
-    fp32, either aliasing the parameter itself (fp32 training, nothing duplicated) or a view
-    into a separate fp32 master buffer (bf16/fp16 training).
+    Only the compute-dtype shard is resident between uses. `masters[i]` is the tensor the
+    optimizer updates for `params[i]`: this rank's valid slice (`spans[i]`), fp32, either a
+    view of the shard itself (fp32 training, nothing duplicated) or of a separate fp32
+    master buffer (bf16/fp16 training, or placed elsewhere by offload).
     """
 
-    # Where a stage-3 shard lives between uses when not in `self.shard` (host memory or a
-    # swap file; meshspeed/offload/param.py sets it): fetch(unit) -> shard on the device,
-    # done(unit) after the all-gather, write(unit, values). None: `self.shard` holds it.
-    shard_store = None
+    shard_params = True
 
-    def __init__(
-        self,
-        name: str,
-        params: list[tuple[str, nn.Parameter]],
-        group,
-        *,
-        shard_params: bool,
-        comm_dtype: torch.dtype = torch.float32,
-    ):
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], groups: UnitGroups, *,
+                 comm_dtype: torch.dtype = torch.float32):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        self.group = group
-        self.world = comm.get_world_size(group)
-        self.rank = comm.get_rank(group)
+        self.groups = groups
+        self.world = comm.get_world_size(groups.shard)
+        self.rank = comm.get_rank(groups.shard)
         self.layout = UnitLayout.build([(n, tuple(p.shape)) for n, p in params], self.world)
-        self.shard_params = shard_params
+        self.shard_numel = self.layout.shard_numel
+        self.shapes = [lay.shape for lay in self.layout.params]
+        self.spans = [Span(min(self.rank * lay.chunk, lay.numel), lay.valid(self.rank), lay.offset)
+                      for lay in self.layout.params]
         self.comm_dtype = comm_dtype
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        if shard_params:
-            self._own_storage()
+        # Where the shard lives between uses when not in `self.shard` (host memory or a swap
+        # file), set by the offload placement through `use_store`: fetch(unit) -> shard on
+        # the device, done(unit) after the all-gather, write(unit, values). None: `self.shard`.
+        self.shard_store = None
+        self._own_storage()
         self.shard = self._local_shard()  # compute-dtype shard, (shard_numel,)
-        # the full-size tensors whose storage a stage-3 unit frees and refills
-        self.full = [p.data for p in self.params] if shard_params else []
+        # the full-size tensors whose storage the unit frees and refills
+        self.full = [p.data for p in self.params]
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self.masters = self._make_masters()
-        self.grad_shard: torch.Tensor | None = None  # fp32 (shard_numel,), owned slices only
+        self.grad_shard: torch.Tensor | None = None  # (shard_numel,), owned slices only
         self.state = ParamState.WHOLE
+        self.in_use = 0  # forwards of the unit's module running now (hooks count them)
         self._pending = None  # (work, matrix) of an in-flight all-gather
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # reused comm buffers (stages 1-2)
-        if shard_params:
-            self.release()
-        else:
-            self.shard = None  # whole params are the storage; no separate shard needed
+        self._reducing = False
+        self.release()
+
+    def use_store(self, store) -> None:
+        self.shard_store = store
 
     # -- construction -------------------------------------------------------------------
     def _local_shard(self) -> torch.Tensor:
@@ -121,22 +123,13 @@ class ZeroUnit:
     def _make_masters(self) -> list[nn.Parameter]:
         """fp32 tensors the optimizer steps on, one per trainable parameter."""
         if self.dtype == torch.float32:
-            source = self.shard if self.shard_params else None
-            self.master_buffer = None
+            source, self.master_buffer = self.shard, None
         else:
-            source = self.shard.float()
-            self.master_buffer = source
-        masters = []
-        for lay, p in zip(self.layout.params, self.params):
-            n = lay.valid(self.rank)
-            if source is not None:
-                view = source[lay.offset : lay.offset + n]
-            else:  # fp32, params stay whole: the owned slice of the parameter itself
-                view = p.detach().view(-1)[self.rank * lay.chunk : self.rank * lay.chunk + n]
-            masters.append(nn.Parameter(view, requires_grad=p.requires_grad))
-        return masters
+            source = self.master_buffer = self.shard.float()
+        return [nn.Parameter(source[s.offset : s.offset + s.numel], requires_grad=p.requires_grad)
+                for s, p in zip(self.spans, self.params)]
 
-    # -- stage 3 lifecycle ----------------------------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------
     # Note [freeing storage, not swapping tensors]
     # A released parameter keeps its identity; its full-size tensor (kept in `self.full`)
     # has its storage resized to zero bytes, and the parameter itself points at an empty
@@ -156,7 +149,9 @@ class ZeroUnit:
                 p.data = p.detach().contiguous()
 
     def gather(self) -> None:
-        """Materialise full parameters from every rank's shard (stage 3)."""
+        """Materialise full parameters from every rank's shard."""
+        if self.state is ParamState.WHOLE:
+            raise LifecycleError(f"unit {self.name}: gathered twice (it is already whole)")
         if self.state is ParamState.SHARDED:
             self.gather_async()
         if self.state is ParamState.GATHERING:
@@ -185,9 +180,11 @@ class ZeroUnit:
         self.state = ParamState.WHOLE
 
     def release(self) -> None:
-        """Drop full parameters, keeping only this rank's shard (stage 3)."""
-        if not self.shard_params:
-            raise RuntimeError(f"unit {self.name}: release() is only valid for sharded params")
+        """Drop full parameters, keeping only this rank's shard."""
+        if self.state is ParamState.SHARDED:
+            raise LifecycleError(f"unit {self.name}: released twice (it is already sharded)")
+        if self.in_use:
+            raise LifecycleError(f"unit {self.name}: released while its module's forward is running")
         if self.state is ParamState.GATHERING:  # prefetched but not used: let it land first
             self._pending[0].wait()
             self._pending = None
@@ -200,7 +197,7 @@ class ZeroUnit:
 
     def gathered_bytes(self) -> int:
         """Bytes of full parameters resident or arriving (an in-flight prefetch buffer)."""
-        if not self.shard_params or self.state is ParamState.SHARDED:
+        if self.state is ParamState.SHARDED:
             return 0
         if self.state is ParamState.GATHERING:
             return self._pending[1].untyped_storage().nbytes()
@@ -208,39 +205,29 @@ class ZeroUnit:
 
     # -- collectives ----------------------------------------------------------------------
     def _matrix(self, dtype: torch.dtype) -> torch.Tensor:
-        """The (N, shard_numel) buffer a collective of this unit sends or receives.
-
-        Units of whole parameters (stages 1-2) keep one per dtype and reuse it every step,
-        as DDP keeps its buckets: allocating and faulting in a model-sized buffer per step
-        costs time and leaves the allocator holding freed pages. Stage-3 units allocate per
-        use, so only the units actually gathered hold one."""
-        if self.shard_params:
-            return torch.empty(self.world, self.layout.shard_numel, dtype=dtype, device=self.device)
-        buf = self._buffers.get(dtype)
-        if buf is None:
-            buf = self._buffers[dtype] = torch.empty(
-                self.world, self.layout.shard_numel, dtype=dtype, device=self.device)
-        return buf
-
-    def comm_buffers(self) -> list[torch.Tensor]:
-        return list(self._buffers.values())
+        """The (N, shard_numel) buffer a collective of this unit sends or receives,
+        allocated per use, so only the units actually gathered hold one."""
+        return torch.empty(self.world, self.layout.shard_numel, dtype=dtype, device=self.device)
 
     def _all_gather(self, shard: torch.Tensor, async_op: bool = False):
         out = self._matrix(shard.dtype)
-        work = comm.all_gather_into_tensor(out.view(-1), shard, group=self.group, async_op=async_op)
+        work = comm.all_gather_into_tensor(out.view(-1), shard, group=self.groups.shard, async_op=async_op)
         return (work, out) if async_op else out
 
-    def launch_reduce_scatter(self, grads: list[torch.Tensor | None], async_op: bool = True):
-        """Start reducing full gradients; returns a callable that waits and yields this
-        rank's shard, averaged over the group.
+    def launch_reduce_scatter(self):
+        """Start reducing the parameters' full gradients, and free them; returns a callable
+        that waits and yields this rank's shard, averaged over the group.
 
         The reduction runs in `comm_dtype` (fp32 unless configured otherwise); the shard
         is kept in the parameters' dtype, so bf16 training holds 2 bytes per owned
         gradient element, as in the paper's accounting. Missing gradients (unused or
-        frozen parameters) contribute zeros. The full gradients may be freed as soon as
-        this returns: they have been copied into the send buffer."""
+        frozen parameters) contribute zeros."""
+        if self._reducing:
+            raise LifecycleError(f"unit {self.name}: reduce-scatter launched twice in one backward")
+        self._reducing = True
         matrix = self._matrix(self.comm_dtype)
-        for lay, g in zip(self.layout.params, grads):
+        for lay, p in zip(self.layout.params, self.params):
+            g, p.grad = p.grad, None  # copied into the send buffer: free the full gradient
             if g is None:
                 matrix[:, lay.offset : lay.offset + lay.chunk].zero_()
                 continue
@@ -248,13 +235,15 @@ class ZeroUnit:
                 matrix[lay.numel // lay.chunk :, lay.offset : lay.offset + lay.chunk].zero_()
             scatter_into_matrix(matrix, lay, g.detach().reshape(-1))
         out = torch.empty(self.layout.shard_numel, dtype=self.comm_dtype, device=self.device)
-        work = comm.reduce_scatter_tensor(out, matrix.view(-1), group=self.group, async_op=async_op)
+        work = comm.reduce_scatter_tensor(out, matrix.view(-1), group=self.groups.shard, async_op=True)
 
         def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
+            work.wait()
             del matrix_ref[:]
-            return out.div_(self.world).to(self.dtype)
+            if self.groups.replicate is not None:
+                comm.all_reduce(out, group=self.groups.replicate)
+            self._reducing = False
+            return out.div_(self.groups.size).to(self.dtype)
 
         matrix_ref = [matrix]  # the send buffer lives until the reduction is done
         return finish
@@ -270,9 +259,9 @@ class ZeroUnit:
         if self.grad_shard is None:
             return
         grads = self.grad_shard.float()  # a temporary only when training in bf16/fp16
-        for lay, m in zip(self.layout.params, self.masters):
+        for s, m in zip(self.spans, self.masters):
             if m.requires_grad:
-                m.grad = grads[lay.offset : lay.offset + lay.valid(self.rank)]
+                m.grad = grads[s.offset : s.offset + s.numel]
 
     def drop_grads(self) -> None:
         self.grad_shard = None
@@ -283,8 +272,7 @@ class ZeroUnit:
         """Whole parameters were changed from outside (GatheredParameters with a modifier):
         rebuild this rank's shard and fp32 master slices from them."""
         fresh = self._local_shard()
-        if self.shard is not None:
-            self._write_shard(fresh)
+        self._write_shard(fresh)
         if self.master_buffer is not None:
             self.master_buffer.copy_(fresh)
 
@@ -295,16 +283,17 @@ class ZeroUnit:
             self.shard_store.write(self, values)
 
     def publish_masters(self) -> None:
-        """After the optimizer step: propagate updated master slices to the parameters."""
-        if self.shard_params:
-            if self.master_buffer is not None:
-                self._write_shard(self.master_buffer)  # fp32 master -> compute-dtype shard
-            if self.state is ParamState.WHOLE:  # a gathered unit would now be stale
-                self.release()
-            return
-        send = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
-        for lay, m in zip(self.layout.params, self.masters):
-            send[lay.offset : lay.offset + m.numel()].copy_(m.detach())
-        matrix = self._all_gather(send)
-        for lay, p in zip(self.layout.params, self.params):
-            gather_from_matrix(matrix, lay, p.detach().view(-1))
+        """After the optimizer step: updated fp32 masters -> the compute-dtype shard (which
+        the next gather reads); a unit still whole would now be stale, so it is released."""
+        if self.master_buffer is not None:
+            self._write_shard(self.master_buffer)
+        if self.state is not ParamState.SHARDED:
+            self.release()
+
+    # -- accounting -------------------------------------------------------------------------
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [self.shard]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        out = [] if self.grad_shard is None else [self.grad_shard]
+        return out + [p.grad for p in self.params if p.grad is not None]

@@ -1,0 +1,26 @@
+"""The process groups one ZeRO unit communicates over.
+
+A unit shards its state over `shard` and, when `replicate` is set, keeps that shard
+replicated over `replicate` (hybrid sharding: shard within a node, replicate across nodes;
+ZeRO++'s secondary partition and expert-data-parallel groups are further instances). The
+strategy hands each unit its groups; nothing looks a group up from a global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshspeed import comm
+
+
+@dataclass(frozen=True)
+class UnitGroups:
+    shard: Any = None  # the group the unit's state is sharded over (None: the world)
+    replicate: Any = None  # the group each shard is replicated over (None: no replication)
+
+    @property
+    def size(self) -> int:
+        """How many ranks contribute to each gradient: shard size x replicate size."""
+        n = comm.get_world_size(self.shard)
+        return n * (comm.get_world_size(self.replicate) if self.replicate is not None else 1)

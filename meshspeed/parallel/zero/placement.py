@@ -1,0 +1,64 @@
+"""Where a ZeRO unit's tensors live: the placement policy the strategy is handed.
+
+`Zero` calls its placement at fixed points of a step; `DevicePlacement` (everything on
+the compute device) is the default, and meshspeed/offload/placement.py's
+`OffloadPlacement` keeps masters, their gradients and stage-3 shards in host memory or
+swap files. The strategy never asks which one it has.
+
+    bind(zero)               units are built: move masters (update zero.master_of), shard stores
+    grad_shard_ready(unit)   a unit's reduced gradient landed during the boundary backward
+    before_step(zero)        prepare_step starts (a delayed update is joined and published)
+    attach_grads(units)      masters get their gradients
+    finish_step(zero)        after the optimizer step: publish masters, drop gradients
+    wait()                   before anything reads masters or optimizer state
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DevicePlacement:
+    """Every tensor of every unit stays where the unit made it."""
+
+    pin = False
+    runner = None  # no background optimizer step
+
+    def bind(self, zero) -> None:
+        pass
+
+    def grad_shard_ready(self, unit) -> None:
+        pass
+
+    def before_step(self, zero) -> None:
+        pass
+
+    def attach_grads(self, units) -> None:
+        for unit in units:
+            unit.attach_master_grads()
+
+    def finish_step(self, zero) -> None:
+        for unit in zero.units:
+            unit.publish_masters()
+            unit.drop_grads()
+
+    def wait(self) -> None:
+        pass
+
+    def published(self) -> None:
+        """Masters were just written into the parameters from outside the step (load)."""
+
+    def flush(self, zero) -> None:
+        pass
+
+    def extra_grads(self) -> list[torch.Tensor]:
+        return []
+
+    def host_tensors(self, zero) -> list[torch.Tensor]:
+        return []
+
+    def nvme_bytes(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
