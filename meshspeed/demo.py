@@ -4,7 +4,7 @@ The corpus is on every machine that has Python, so the demo needs no download. B
 it runs 2 CPU processes (launched through torchrun) with ZeRO stage 2; the loss should
 fall well below the unigram entropy of the bytes (what a model that ignores context can
 reach) within a couple of minutes, and the summary shows the bytes of model state each
-rank holds.
+rank holds, and how they split between device, host and NVMe (`--offload`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 
 DEMO_MODEL = {"vocab_size": 256, "max_seq_len": 128, "n_layer": 4, "n_head": 4, "d_model": 128}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")  # --offload: zero_optimization.offload_* "device"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bf16", action="store_true", help="train in bfloat16 with fp32 masters")
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
     parser.add_argument("--print-every", type=int, default=25, help="steps_per_print")
+    parser.add_argument("--offload", default="none", choices=OFFLOAD_DEVICES,
+                        help="offload_optimizer device (and offload_param at stage 3); "
+                             "needs --stage 1, 2 or 3 (default none)")
+    parser.add_argument("--nvme-path", default=None, metavar="DIR",
+                        help="where --offload nvme puts its swap files (default: a temporary "
+                             "directory, removed after the run)")
+    parser.add_argument("--layers", type=int, default=DEMO_MODEL["n_layer"],
+                        help=f"transformer blocks (default {DEMO_MODEL['n_layer']}; "
+                             "fewer for a quick run)")
+    parser.add_argument("--d-model", type=int, default=DEMO_MODEL["d_model"],
+                        help=f"residual width (default {DEMO_MODEL['d_model']})")
+    parser.add_argument("--heads", type=int, default=DEMO_MODEL["n_head"],
+                        help=f"attention heads, dividing --d-model (default {DEMO_MODEL['n_head']})")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -40,7 +55,53 @@ def main(args: argparse.Namespace) -> int:
     if args.worker or "RANK" in os.environ:
         if _ARGS_ENV in os.environ:
             args = argparse.Namespace(**json.loads(os.environ[_ARGS_ENV]))
+        else:
+            problem = _check(args)
+            if problem:  # every rank refuses alike (launched by hand, not by this command)
+                print(f"meshspeed demo: {problem}", file=sys.stderr)
+                return 2
         return train(args)
+    problem = _check(args)
+    if problem:
+        print(f"meshspeed demo: {problem}", file=sys.stderr)
+        return 2
+    if args.offload == "nvme" and args.nvme_path is None:
+        # one directory for the run (each rank swaps into its own subdirectory of it)
+        with tempfile.TemporaryDirectory(prefix="meshspeed-demo-nvme-") as path:
+            args.nvme_path = path
+            return _launch(args)
+    return _launch(args)
+
+
+def _check(args) -> str | None:
+    """One line saying what is wrong with the options, or None."""
+    if args.offload != "none" and args.stage == 0:
+        return (f"--offload {args.offload} needs --stage 1, 2 or 3 (stage 0 steps the whole "
+                "optimizer on every rank, so there is no per-rank share to offload); "
+                "pass --stage 1, 2 or 3, or --offload none")
+    if args.nvme_path is not None and args.offload != "nvme":
+        return f"--nvme-path is used by --offload nvme only (got --offload {args.offload})"
+    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
+        return f"--nvme-path {args.nvme_path!r} is not an existing directory"
+    if min(args.layers, args.d_model, args.heads, args.steps, args.micro_batch, args.seq_len,
+           args.print_every, args.nproc) < 1:
+        return ("--layers, --d-model, --heads, --steps, --micro-batch, --seq-len, "
+                "--print-every and --nproc must be at least 1")
+    try:
+        _model_config(args)
+    except ValueError as err:
+        return f"model options (--layers/--d-model/--heads/--seq-len): {err}"
+    return None
+
+
+def _model_config(args):
+    from meshspeed.models.gpt import GPTConfig
+
+    return GPTConfig(**{**DEMO_MODEL, "max_seq_len": args.seq_len, "n_layer": args.layers,
+                        "d_model": args.d_model, "n_head": args.heads})
+
+
+def _launch(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
 
     argv = ["--nproc-per-node", str(args.nproc), "--master-port", str(_free_port()),
@@ -83,6 +144,13 @@ def _config(args) -> dict:
     }
     if args.bf16:
         cfg["bf16"] = {"enabled": True}
+    if args.offload != "none":
+        device = {"device": args.offload}
+        if args.offload == "nvme":
+            device["nvme_path"] = args.nvme_path
+        cfg["zero_optimization"]["offload_optimizer"] = dict(device)
+        if args.stage == 3:  # the parameters' shards go to the same place
+            cfg["zero_optimization"]["offload_param"] = dict(device)
     return cfg
 
 
@@ -93,7 +161,8 @@ def train(args: argparse.Namespace) -> int:
     import meshspeed
     from meshspeed import comm
     from meshspeed.data import ByteWindows, RepeatingLoader, stdlib_corpus, unigram_entropy
-    from meshspeed.models.gpt import GPT, GPTConfig, param_count
+    from meshspeed.models.gpt import GPT, param_count
+    from meshspeed.offload import close
 
     torch.set_num_threads(1)
     meshspeed.init_distributed()
@@ -105,14 +174,18 @@ def train(args: argparse.Namespace) -> int:
     data = stdlib_corpus(args.corpus_bytes)
     entropy = unigram_entropy(data)
     train_set, _ = ByteWindows(data, args.seq_len).split(0.98)
+    own_swap = None
+    if args.offload == "nvme" and args.nvme_path is None:  # ranks started by hand, not by main()
+        own_swap = tempfile.TemporaryDirectory(prefix="meshspeed-demo-nvme-")
+        args = argparse.Namespace(**{**vars(args), "nvme_path": own_swap.name})
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**DEMO_MODEL, "max_seq_len": args.seq_len}))
+    model = GPT(_model_config(args))
     engine, _, loader, _ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=train_set, config=_config(args))
     if rank == 0:
         log.info("demo: %d bytes of Python stdlib source, unigram entropy %.3f nats/byte; "
-                 "%.2fM parameters, %d ranks, ZeRO stage %d", len(data), entropy,
-                 param_count(model) / 1e6, comm.get_world_size(), args.stage)
+                 "%.2fM parameters, %d ranks, ZeRO stage %d, offload %s", len(data), entropy,
+                 param_count(model) / 1e6, comm.get_world_size(), args.stage, args.offload)
     batches = iter(RepeatingLoader(loader))
     tokens_per_step = args.micro_batch * args.seq_len * comm.get_world_size()
     bar = tqdm(total=args.steps, disable=rank != 0, desc="training", unit="step", file=sys.stdout)
@@ -137,7 +210,6 @@ def train(args: argparse.Namespace) -> int:
     memory = engine.memory_breakdown()
     sample = _sample(engine, b"def ")
     if rank == 0:
-        state = {k: v for k, v in memory.items() if k != "total"}
         print("\n--- sample (prompt 'def ') ---")
         print(sample)
         print("--- summary ---")
@@ -145,10 +217,31 @@ def train(args: argparse.Namespace) -> int:
               f"{'below' if loss_avg < entropy else 'NOT below'} it)")
         print(f"throughput             {tokens_per_step * args.steps / elapsed:,.0f} tokens/s over "
               f"{elapsed:.1f} s")
-        print("model state per rank   " + ", ".join(f"{k} {_mib(v)}" for k, v in state.items() if v))
+        for line in memory_lines(memory):
+            print(line)
         print(f"perplexity             {math.exp(loss_avg):.2f}")
     comm.barrier()
+    close(engine)  # background host steps and swap files (a no-op without offload)
+    if own_swap is not None:
+        own_swap.cleanup()
     return 0
+
+
+def memory_lines(memory: dict) -> list[str]:
+    """The summary's lines for `engine.memory_breakdown()` (rank 0's): the categories with
+    bytes and their total on one line, then one line per nested split (its "tiers":
+    device / host / nvme, every part shown, zeros included)."""
+    flat = {k: v for k, v in memory.items() if not isinstance(v, dict)}
+    total = flat.pop("total", None)
+    parts = [f"{k} {_mib(v)}" for k, v in flat.items() if v]
+    if total is not None:
+        parts.append(f"total {_mib(total)}")
+    lines = ["model state per rank   " + ", ".join(parts)]
+    for key, split in memory.items():
+        if isinstance(split, dict):
+            label = f"{key} per rank"
+            lines.append(f"{label:<22} " + ", ".join(f"{k} {_mib(v)}" for k, v in split.items()))
+    return lines
 
 
 def _sample(engine, prompt: bytes, length: int = 200) -> str:

@@ -162,8 +162,32 @@ class MeshspeedEngine(nn.Module):
             self.comm_logger.reset()
 
     def memory_breakdown(self) -> dict:
-        """Bytes held for this rank by category (each storage counted once), and under
-        "tiers" the same total split into "device", "host" and "nvme" (meshspeed/offload)."""
+        """Bytes held for this rank, by category and by where they live.
+
+        Returns a dict with every key below, always (a category with nothing in it is 0):
+
+        - "params" (int): the parameters this rank keeps, whole below stage 3, this rank's
+          shard at stage 3.
+        - "gathered_params" (int): stage 3 only: whole parameters all-gathered from the
+          shards and still resident when this is called.
+        - "master_params" (int): fp32 master weights of bf16/fp16 training (0 in fp32,
+          where the masters are the parameters).
+        - "grads" (int): gradients held now: full, or this rank's slice from stage 2,
+          including an offloaded optimizer's host copy.
+        - "optimizer_state" (int): the optimizer's state (Adam's moments and step counts);
+          with NVMe offload, the swap files' sizes plus the resident swap buffers.
+        - "comm_buffers" (int): flat buffers and buckets kept for communication.
+        - "total" (int): the sum of the six categories above.
+        - "tiers" (dict, the one nested value): {"device": int, "host": int, "nvme": int},
+          the same bytes split by location; the three sum to "total". "host" is state
+          that offload placed in host memory (on an accelerator, anything in CPU memory),
+          "nvme" the swap files' sizes on disk, "device" the rest. On a CPU-only machine
+          only offloaded state is "host" (meshspeed/offload/tiers.py).
+
+        Each storage is counted once, in the first category above that names it (a master
+        that aliases a parameter is "params"); NVMe bytes count in their category too
+        ("optimizer_state", or "params" for swapped stage-3 shards). Code that walks the
+        values must skip "tiers" (a dict) and "total" (a sum). See docs/memory.md."""
         tensors = self.strategy.memory_tensors()
         tensors.setdefault("optimizer_state", resident_state_tensors(self.optimizer))
         out = count_bytes(tensors)

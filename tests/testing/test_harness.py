@@ -137,11 +137,13 @@ def test_pools_are_reused():
     assert len(set(first)) == 2 and os.getpid() not in first
 
 
-def test_exception_on_one_rank_is_reported_quickly():
-    start = time.monotonic()
+@pytest.mark.timeout(300)  # a harness that waited out the call's timeout would hang here
+def test_exception_on_one_rank_is_reported_without_waiting_for_the_timeout():
+    before = run_distributed(_pid, 2)
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_fail_on_rank1, 2, timeout=60)
-    elapsed = time.monotonic() - start
+        # far beyond the test's own timeout: the call returns only because the harness
+        # stops waiting for rank 0 (blocked in a barrier) once rank 1 has failed
+        run_distributed(_fail_on_rank1, 2, timeout=3600)
     message = str(info.value)
     assert "rank 1" in message
     assert "boom from the second rank" in message
@@ -150,8 +152,10 @@ def test_exception_on_one_rank_is_reported_quickly():
     assert set(info.value.failures) == {1}
     assert info.value.unfinished == [0]
     assert isinstance(info.value.failures[1].exception, ValueError)
-    assert elapsed < 20, f"took {elapsed:.1f}s: the harness waited instead of killing"
-    assert run_distributed(_pid, 2)  # a fresh pool serves the next call
+    assert "after the first failure" in message and "were killed" in message  # rank 0
+    assert pool_pids(2) is None  # the failed pool is gone, its workers killed
+    after = run_distributed(_pid, 2)
+    assert set(after).isdisjoint(before)  # a fresh pool serves the next call
 
 
 def test_identical_failures_are_grouped():
@@ -162,15 +166,14 @@ def test_identical_failures_are_grouped():
     assert info.value.failures[0].exc_type == "builtins.KeyError"
 
 
+@pytest.mark.timeout(300)  # rank 0 sleeps for an hour: only the call's timeout ends it
 def test_hang_is_reported_as_timeout_and_pool_recovers():
     before = run_distributed(_pid, 2)
-    start = time.monotonic()
     with pytest.raises(DistributedTimeoutError) as info:
         run_distributed(_hang_on_rank0, 2, timeout=2)
-    assert time.monotonic() - start < 15
     assert info.value.unfinished == [0]
     message = str(info.value)
-    assert "timed out" in message and "[0]" in message
+    assert "timed out after 2s" in message and "[0]" in message
     assert "_hang_on_rank0" in message  # the hung rank's stack was dumped
     after = run_distributed(_pid, 2)
     assert set(after).isdisjoint(before)  # a new pool
