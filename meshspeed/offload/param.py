@@ -8,7 +8,7 @@ A ZeRO-3 unit needs its shard at three moments only: to all-gather the full para
     done(unit)            the all-gather that read it has completed
     write(unit, values)   the unit's shard becomes `values` (any float dtype, cast)
 
-`ZeroUnit` calls them through the store the offload placement gives it (`use_store`).
+A stage-3 `FlatUnit` calls them through the store the offload placement gives it (`use_store`).
 
 `HostShardStore`: the shard lives in (pinned) host memory; `fetch` copies it to the device
 (on a CPU-only machine it is the shard itself).

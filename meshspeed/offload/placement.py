@@ -8,7 +8,7 @@ What moves, per ZeRO unit (flat.py and unit.py in meshspeed/parallel/zero):
 - the gradient shard the optimizer consumes -> a host fp32 buffer per unit, copied
   (non-blocking, into pinned memory where possible) at `prepare_step`, unit by unit.
 - stage 3 with `offload_param`: the unit's parameter shard moves into a shard store
-  (param.py: host memory or a swap file) that ZeroUnit reads for each gather.
+  (param.py: host memory or a swap file) that a stage-3 FlatUnit reads for each gather.
 
 Note [offload on a CPU-only machine]
 When the compute device is the CPU itself, "moving to host" is a relabelling: an fp32

@@ -56,7 +56,7 @@ def shard(gs, world):
 
 # -- replicated --------------------------------------------------------------------------------
 def test_norm_matches_torch(monkeypatch):
-    monkeypatch.setattr(comm, "all_reduce", None)  # never called without `sharded`
+    monkeypatch.setattr(comm, "all_reduce", None)  # never called without sharding groups
     gs = grads()
     ref = torch.nn.utils.get_total_norm(gs)
     norm = global_grad_norm(gs)
@@ -131,7 +131,7 @@ def test_sharded_norm_over_disjoint_slices_is_the_full_norm(world, seed):
         fake = FakeAllReduce(others)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(comm, "all_reduce", fake)
-            norm = global_grad_norm(per_rank[r], group="dp", sharded=True)
+            norm = global_grad_norm(per_rank[r], groups=["dp"])
         assert len(fake.calls) == 1
         assert fake.calls[0] == {"shape": (), "dtype": torch.float32,
                                  "device": torch.device("cpu"), "group": "dp", "op": "sum"}
@@ -142,17 +142,17 @@ def test_sharded_norm_without_the_all_reduce_is_only_the_local_part(monkeypatch)
     gs = grads(2)
     mine, theirs = shard(gs, 2)
     monkeypatch.setattr(comm, "all_reduce", FakeAllReduce([]))
-    local = global_grad_norm(mine, sharded=True)
+    local = global_grad_norm(mine, groups=[None])
     assert local.item() < full_norm(gs).item()
     monkeypatch.setattr(comm, "all_reduce", FakeAllReduce([local_sq(theirs)]))
-    torch.testing.assert_close(global_grad_norm(mine, sharded=True), full_norm(gs))
+    torch.testing.assert_close(global_grad_norm(mine, groups=[None]), full_norm(gs))
 
 
 def test_sharded_rank_without_grads_still_joins_the_all_reduce(monkeypatch):
     gs = grads(3)
     fake = FakeAllReduce([local_sq(gs)])
     monkeypatch.setattr(comm, "all_reduce", fake)
-    norm = global_grad_norm([], sharded=True, device=torch.device("cpu"))
+    norm = global_grad_norm([], groups=[None], device=torch.device("cpu"))
     assert len(fake.calls) == 1
     torch.testing.assert_close(norm, full_norm(gs))
 
@@ -167,7 +167,7 @@ def test_sharded_clip_equals_clipping_the_full_gradients(monkeypatch):
     contributions = [local_sq(per_rank[r]) for r in range(2)]  # before any rank clips
     for r in range(2):
         monkeypatch.setattr(comm, "all_reduce", FakeAllReduce([contributions[1 - r]]))
-        clip_by_norm_(per_rank[r], 1.0, global_grad_norm(per_rank[r], sharded=True))
+        clip_by_norm_(per_rank[r], 1.0, global_grad_norm(per_rank[r], groups=[None]))
     # the slices are views: the full gradients are now clipped as torch clips them
     for g, p in zip(gs, params):
         torch.testing.assert_close(g, p.grad)

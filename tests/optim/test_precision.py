@@ -34,7 +34,7 @@ def no_collective(*args, **kwargs):
 def test_unscale_divides_by_the_scale(monkeypatch):
     monkeypatch.setattr(comm, "all_reduce", no_collective)
     gs = [torch.tensor([1024.0, -2048.0]), torch.full((2, 2), 512.0, dtype=torch.bfloat16)]
-    assert unscale_and_check(gs, 1024.0, group=None, sharded=False) is False
+    assert unscale_and_check(gs, 1024.0, groups=()) is False
     assert torch.equal(gs[0], torch.tensor([1.0, -2.0]))
     assert gs[1].dtype == torch.bfloat16
     assert torch.equal(gs[1], torch.full((2, 2), 0.5, dtype=torch.bfloat16))
@@ -44,7 +44,7 @@ def test_scale_one_leaves_grads_untouched(monkeypatch):
     monkeypatch.setattr(comm, "all_reduce", no_collective)
     g = torch.tensor([3.0, 1e-30])
     before = g.clone()
-    assert unscale_and_check([g], 1.0, group=None, sharded=False) is False
+    assert unscale_and_check([g], 1.0, groups=()) is False
     assert torch.equal(g, before)
 
 
@@ -52,23 +52,23 @@ def test_scale_one_leaves_grads_untouched(monkeypatch):
 def test_replicated_overflow_is_detected_locally(bad, monkeypatch):
     monkeypatch.setattr(comm, "all_reduce", no_collective)
     gs = [torch.ones(3), torch.tensor([1.0, bad], dtype=torch.float16)]
-    assert unscale_and_check(gs, 8.0, group=None, sharded=False) is True
+    assert unscale_and_check(gs, 8.0, groups=()) is True
     assert torch.equal(gs[0], torch.full((3,), 0.125))  # still unscaled
 
 
 def test_no_grads_is_no_overflow(monkeypatch):
     monkeypatch.setattr(comm, "all_reduce", no_collective)
-    assert unscale_and_check([], 4.0, group=None, sharded=False) is False
+    assert unscale_and_check([], 4.0, groups=()) is False
     fake = FakeAllReduce(0.0)
     monkeypatch.setattr(comm, "all_reduce", fake)
-    assert unscale_and_check([], 4.0, group=None, sharded=True) is False
+    assert unscale_and_check([], 4.0, groups=[None]) is False
     assert len(fake.calls) == 1  # an empty rank still takes part in the vote
 
 
 def test_large_finite_fp16_grads_are_not_an_overflow():
     g = torch.full((8,), 65504.0, dtype=torch.float16)  # fp16 max: sums of these overflow
     assert not has_inf_or_nan([g])
-    assert unscale_and_check([g], 1.0, group=None, sharded=False) is False
+    assert unscale_and_check([g], 1.0, groups=()) is False
 
 
 @pytest.mark.parametrize("mine, theirs", [(False, False), (True, False), (False, True),
@@ -82,7 +82,7 @@ def test_overflow_on_one_rank_makes_both_skip(mine, theirs, monkeypatch):
         gs = rank_grads(local)
         fake = FakeAllReduce(float(has_inf_or_nan(rank_grads(other))))
         monkeypatch.setattr(comm, "all_reduce", fake)
-        decisions.append(unscale_and_check(gs, 2.0, group="dp", sharded=True))
+        decisions.append(unscale_and_check(gs, 2.0, groups=["dp"]))
         (sent, group, op), = fake.calls
         assert (sent.item(), sent.shape, group, op) == (float(local), (), "dp", "max")
         assert gs[1].tolist() == [0.5, 0.5]

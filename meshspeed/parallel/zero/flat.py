@@ -1,24 +1,37 @@
-"""Stages 1 and 2: a unit of whole parameters that live in one flat buffer.
+"""One unit of ZeRO communication: parameters that live in one flat buffer.
 
-Note [flat units for stages 1 and 2]
-Under stages 1 and 2 every rank keeps the full parameters, so there is no reason to cut
-each parameter into N pieces (stage 3's layout, layout.py). Instead a unit's parameters
-are views into one flat buffer, padded to a multiple of N, and rank r owns the contiguous
-range [r*S, (r+1)*S) of it (S = padded / N; a rank's range may cover part of a
-parameter, several parameters, or none of a small one). Then both collectives of a step
-run on the buffers themselves, with no copy into or out of a communication matrix:
+Note [flat units]
+A unit's parameters are views into one flat buffer, padded to a multiple of the shard
+group size N, and rank r owns the contiguous range [r*S, (r+1)*S) of it (S = padded / N;
+a rank's range may cover part of a parameter, several parameters, or none of a small
+one). Every collective of ZeRO then runs on the buffers themselves, with no copy into or
+out of a communication matrix:
 
-    reduce-scatter(full gradients of the unit) -> this rank's S gradient elements
-    all-gather(flat[r*S:(r+1)*S], in place)    -> every rank's updated parameters
+    reduce-scatter(full gradients of the unit)  -> this rank's S gradient elements
+    all-gather(this rank's S elements -> flat)  -> every rank's (updated) parameters
 
-and no persistent communication buffer exists. What is held of the gradients is what the
-stage table says:
+Stages 1 and 2 keep the flat buffer resident (the parameters are whole) and all-gather
+in place after the step. Stage 3 (`shard_params`) keeps only the S-element shard; the
+flat buffer's storage is freed on `release` and refilled by the all-gather on `gather`.
+
+What is held of the gradients is what the stage table says:
 - stage 1 keeps a flat gradient buffer for the whole unit; each `.grad` is a view of it, so
   micro-steps accumulate in place, and it is reduce-scattered from there at the boundary;
-- stage 2 keeps none: as backward finishes a parameter's gradient, it is copied into a
-  staging buffer taken from a small pool and freed; the staging buffer is reduce-scattered
-  when the unit is complete and goes back to the pool once the reduction lands. At most a
-  few units' worth of full gradients exist at any moment (Note [staging pool]).
+- stages 2 and 3 keep none: as backward finishes a parameter's gradient, it is copied into
+  a staging buffer from a pool and freed; the staging buffer is reduce-scattered when the
+  unit is complete and goes back to the pool once the reduction lands (Note [staging pool]).
+
+Note [freeing storage, not swapping tensors]
+A released stage-3 parameter keeps its identity and points at an empty placeholder (numel
+0, as in DeepSpeed: touching it is an ordinary size error, never a read of freed memory).
+The views it had into the flat buffer are kept; the buffer's storage is resized to zero
+bytes, and `gather` resizes the same storage back and all-gathers into it. Autograd may
+have saved views of a parameter in forward (`weight.t()` inside linear); they share that
+storage, so they see the re-gathered values in backward and keep nothing alive between.
+
+Lifecycles are explicit (`ParamState`) and every transition checks where it starts from:
+gathering a whole unit, releasing a sharded one or one whose module is running, and a
+second reduce-scatter in one backward raise `LifecycleError`.
 """
 
 from __future__ import annotations
@@ -31,7 +44,8 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel.buckets import GradViews
 from meshspeed.parallel.zero.groups import UnitGroups
-from meshspeed.parallel.zero.lifecycle import LifecycleError, Span
+from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
+from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState, Span
 from meshspeed.parallel.zero.staging import StagingPool
 
 
@@ -77,43 +91,52 @@ class FlatLayout:
 
 
 class FlatUnit:
-    """Whole parameters of one unit as views of a flat buffer; this rank's range of it.
+    """The parameters of one unit, this rank's range of them, and the unit's collectives.
 
-    The interface is the one `Zero` and the offload placement use for every unit:
-    `masters[i]` (fp32, this rank's span of parameter i), `spans[i]`, `master_buffer`
-    (separate fp32 masters or None), `grad_shard`, `shard_numel`, `attach_master_grads`,
-    `drop_grads`, `publish_masters`, `refresh_from_params`."""
-
-    shard_params = False
+    `masters[i]` is the fp32 tensor the optimizer steps on for `params[i]` (`spans[i]` of
+    it): a view of the rank's own range (fp32 training, nothing duplicated) or of a
+    separate fp32 `master_buffer` (bf16/fp16 training, or placed elsewhere by offload).
+    `grad_shard` is the reduced gradient of the rank's range, in the parameters' dtype."""
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], groups: UnitGroups, *,
-                 keep_full_grads: bool, pool: StagingPool, comm_dtype: torch.dtype = torch.float32):
+                 shard_params: bool, keep_full_grads: bool, pool: StagingPool,
+                 comm_dtype: torch.dtype = torch.float32):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
+        self.shapes = [tuple(p.shape) for p in self.params]
         self.groups = groups
         self.world = comm.get_world_size(groups.shard)
         self.rank = comm.get_rank(groups.shard)
         self.layout = FlatLayout(tuple(p.numel() for p in self.params), self.world)
         self.shard_numel = self.layout.shard_numel
-        self.shapes = [tuple(p.shape) for p in self.params]
         self.spans = self.layout.spans(self.rank)
+        self.shard_params = shard_params
         self.comm_dtype = comm_dtype
         self.pool = pool
-        self.dtype = self.params[0].dtype
-        self.device = self.params[0].device
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) > 1:
             raise ValueError(f"unit {name}: parameters of several dtypes/devices {sorted(map(str, kinds))}; "
                              "cast the model to one dtype and device before initialize")
-        self.flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        for off, p in zip(self.layout.offsets, self.params):
-            self.flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.flat[off : off + p.numel()].view(p.shape)
+        self.dtype, self.device = next(iter(kinds))
+        # Where a stage-3 shard lives between uses when not in `self.shard` (host memory or
+        # a swap file), set by the offload placement through `use_store`: fetch(unit) ->
+        # shard on the device, done(unit) after the all-gather, write(unit, values).
+        self.shard_store = None
+        self.flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        self.views = [self.flat[o : o + p.numel()].view(p.shape)
+                      for o, p in zip(self.layout.offsets, self.params)]
         lo = self.rank * self.shard_numel
-        self.own = self.flat[lo : lo + self.shard_numel]
-        self.master_buffer = None if self.dtype == torch.float32 else self.own.float()
-        source = self.own if self.master_buffer is None else self.master_buffer
+        if shard_params:
+            self.shard = self._build_shard()
+        else:
+            self.flat.zero_()
+            for view, p in zip(self.views, self.params):
+                view.copy_(p.detach())
+                p.data = view
+            self.shard = self.flat[lo : lo + self.shard_numel]  # a view: in place all-gather
+        self.master_buffer = None if self.dtype == torch.float32 else self.shard.float()
+        source = self.shard if self.master_buffer is None else self.master_buffer
         self.masters = [nn.Parameter(source[s.offset : s.offset + s.numel], requires_grad=p.requires_grad)
                         for s, p in zip(self.spans, self.params)]
         # stage 1: gradients accumulate in place in one flat buffer (views as .grad)
@@ -122,21 +145,91 @@ class FlatUnit:
         if self.grads is not None:
             self.grads.bind()
         self.grad_shard: torch.Tensor | None = None
-        self._staging: torch.Tensor | None = None  # stage 2: full gradients being collected
+        self.state = ParamState.WHOLE
+        self.in_use = 0  # forwards of the unit's module running now (stage-3 hooks count them)
+        self._pending = None  # the work handle of an in-flight all-gather
+        self._staging: torch.Tensor | None = None  # full gradients being collected
         self._arrived = [False] * len(self.params)
         self._reducing = False
+        if shard_params:
+            self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+            self._drop_full()
+
+    def _build_shard(self) -> torch.Tensor:
+        """This rank's range, read from the whole parameters (one at a time for those built
+        by zero.Init, which are made whole for the copy and dropped right after)."""
+        shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        for s, p in zip(self.spans, self.params):
+            if is_partitioned(p):
+                gather_partitioned(p, self.groups.shard)  # a collective, in unit order
+            shard[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1)[s.start : s.start + s.numel])
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        return shard
+
+    def use_store(self, store) -> None:
+        self.shard_store = store
 
     def broadcast_from(self, src: int) -> None:
-        """Every replica starts from `src`'s values (one collective for the unit)."""
+        """Stages 1-2: every replica starts from `src`'s values (one collective)."""
         comm.broadcast(self.flat, src=src, group=self.groups.shard)
         if self.groups.replicate is not None:
             comm.broadcast(self.flat, src=src, group=self.groups.replicate)
         if self.master_buffer is not None:
-            self.master_buffer.copy_(self.own)
+            self.master_buffer.copy_(self.shard)
+
+    # -- stage 3 lifecycle -----------------------------------------------------------------
+    def gather(self) -> None:
+        """Materialise the full parameters from every rank's shard."""
+        if self.state is ParamState.WHOLE:
+            raise LifecycleError(f"unit {self.name}: gathered twice (it is already whole)")
+        if self.state is ParamState.SHARDED:
+            self.gather_async()
+        self._pending.wait()
+        self._pending = None
+        if self.shard_store is not None:
+            self.shard_store.done(self)
+        for p, view in zip(self.params, self.views):
+            p.data = view
+        self.state = ParamState.WHOLE
+
+    def gather_async(self) -> None:
+        """Launch the all-gather (prefetch); `gather()` waits for it and exposes the views."""
+        if self.state is not ParamState.SHARDED:
+            raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
+        shard = self.shard if self.shard_store is None else self.shard_store.fetch(self)
+        self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+        self._pending = comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard,
+                                                    async_op=True)
+        self.state = ParamState.GATHERING
+
+    def release(self) -> None:
+        """Drop the full parameters, keeping only this rank's shard."""
+        if not self.shard_params:
+            raise LifecycleError(f"unit {self.name}: parameters of stages 1-2 are never released")
+        if self.state is ParamState.SHARDED:
+            raise LifecycleError(f"unit {self.name}: released twice (it is already sharded)")
+        if self.in_use:
+            raise LifecycleError(f"unit {self.name}: released while its module's forward is running")
+        if self.state is ParamState.GATHERING:  # prefetched but not used: let it land first
+            self._pending.wait()
+            self._pending = None
+            if self.shard_store is not None:
+                self.shard_store.done(self)
+        self._drop_full()
+
+    def _drop_full(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+        for p in self.params:
+            p.data = self._placeholder
+        self.state = ParamState.SHARDED
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameters resident or arriving (stage 3)."""
+        return self.flat.untyped_storage().nbytes() if self.shard_params else 0
 
     # -- gradients --------------------------------------------------------------------------
     def receive_grad(self, i: int) -> None:
-        """Stage 2: parameter i's gradient is final for this backward; stage it, free it."""
+        """Stages 2-3: parameter i's gradient is final for this backward; stage it, free it."""
         p = self.params[i]
         if p.grad is None:
             return
@@ -154,26 +247,30 @@ class FlatUnit:
 
     def launch_reduce_scatter(self):
         """Start reducing this unit's full gradients; returns a callable that waits and
-        yields this rank's shard of them, averaged over the shard (and replicate) group."""
+        yields this rank's shard of them, averaged over the shard (and replicate) group.
+
+        The reduction runs in `comm_dtype` (fp32 unless configured otherwise); the result
+        is kept in the parameters' dtype (2 bytes per owned element in bf16, as in the
+        paper's accounting). Parameters without a gradient contribute zeros."""
         if self._reducing:
             raise LifecycleError(f"unit {self.name}: reduce-scatter launched twice in one backward")
         self._reducing = True
+        staged = None
         if self.grads is not None:  # stage 1: the flat gradient buffer itself
             self.grads.collect()
             src = self.grads.flat
-            staged = None
             if src.dtype != self.comm_dtype:
-                staged = self.pool.take(src.numel())
-                staged.copy_(src)
-                src = staged
+                src = staged = self.pool.take(src.numel()).copy_(src)
         else:
-            staged = self._staging
+            for i, p in enumerate(self.params):  # gradients no hook has staged (flush)
+                if p.grad is not None:
+                    self.receive_grad(i)
+            staged, self._staging = self._staging, None
             if staged is None:  # no parameter of the unit had a gradient: zeros
-                staged = self.pool.take(self.layout.padded_numel)
-                staged.zero_()
+                staged = self.pool.take(self.layout.padded_numel).zero_()
             else:
                 self._zero_gaps(staged)
-            src, self._staging = staged, None
+            src = staged
         out = torch.empty(self.shard_numel, dtype=self.comm_dtype, device=self.device)
         work = comm.reduce_scatter_tensor(out, src, group=self.groups.shard, async_op=True)
 
@@ -218,32 +315,45 @@ class FlatUnit:
 
     # -- parameters -------------------------------------------------------------------------
     def publish_masters(self) -> None:
-        """After the optimizer step: this rank's updated range -> every rank's parameters,
-        all-gathered in place into the flat buffer the parameters view."""
+        """After the optimizer step: updated masters -> the parameters. Stages 1-2
+        all-gather this rank's range in place into the flat buffer the parameters view;
+        stage 3 writes the shard the next gather reads (a unit still whole is released)."""
+        if not self.shard_params:
+            if self.master_buffer is not None:
+                self.shard.copy_(self.master_buffer)
+            comm.all_gather_into_tensor(self.flat, self.shard, group=self.groups.shard)
+            return
         if self.master_buffer is not None:
-            self.own.copy_(self.master_buffer)
-        comm.all_gather_into_tensor(self.flat, self.own, group=self.groups.shard)
+            self._write_shard(self.master_buffer)
+        if self.state is not ParamState.SHARDED:
+            self.release()
 
     def refresh_from_params(self) -> None:
-        """Parameters were changed from outside (GatheredParameters with a modifier): keep
-        them views of the flat buffer and rebuild the separate fp32 masters from it."""
-        for off, p in zip(self.layout.offsets, self.params):
-            view = self.flat[off : off + p.numel()]
+        """The whole parameters were changed from outside (GatheredParameters with a
+        modifier): keep them views of the flat buffer, rebuild the shard and masters."""
+        for view, p in zip(self.views, self.params):
             if p.data_ptr() != view.data_ptr():  # the user replaced .data
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+        lo = self.rank * self.shard_numel
+        fresh = self.flat[lo : lo + self.shard_numel]
+        if self.shard_params:
+            self._write_shard(fresh)
         if self.master_buffer is not None:
-            self.master_buffer.copy_(self.own)
+            self.master_buffer.copy_(fresh)
+
+    def _write_shard(self, values: torch.Tensor) -> None:
+        if self.shard_store is None:
+            self.shard.copy_(values)
+        else:
+            self.shard_store.write(self, values)
 
     # -- accounting -------------------------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
-        return [self.flat]
+        return [self.shard] if self.shard_params else [self.flat]
 
     def grad_tensors(self) -> list[torch.Tensor]:
         out = [] if self.grad_shard is None else [self.grad_shard]
         if self.grads is not None:
             out.append(self.grads.flat)
         return out + [p.grad for p in self.params if p.grad is not None]
-
-    def gathered_bytes(self) -> int:
-        return 0

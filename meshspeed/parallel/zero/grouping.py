@@ -59,7 +59,12 @@ def module_units(module: nn.Module, persistence_threshold: int) -> GroupingPlan:
     """Stage 3: one sharded unit per block, a sharded root unit, one whole persistent unit."""
     blocks = _block_modules(module)
     claims = Counter(id(p) for _, m in blocks for p in m.parameters())
-    shared = {pid for pid, n in claims.items() if n > 1}  # used by several blocks: keep in root
+    in_blocks = {id(sub) for _, m in blocks for sub in m.modules()}
+    # a parameter also registered by a module outside every block runs outside the
+    # block's hooks: it must stay in the root unit, like one shared by several blocks
+    claims.update(id(p) for m in module.modules() if id(m) not in in_blocks
+                  for p in m.parameters(recurse=False) if id(p) in claims)
+    shared = {pid for pid, n in claims.items() if n > 1}  # used by several owners: keep in root
     owner: dict[int, str] = {}
     for name, m in blocks:
         for p in m.parameters():

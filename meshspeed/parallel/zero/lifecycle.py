@@ -1,7 +1,8 @@
-"""Shared vocabulary of ZeRO units: owned spans and lifecycle errors."""
+"""Shared vocabulary of ZeRO units: owned spans, parameter states, lifecycle errors."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -18,3 +19,9 @@ class Span:
     start: int
     numel: int
     offset: int
+
+
+class ParamState(enum.Enum):
+    WHOLE = "whole"  # full parameters resident (stages 1-2 always; stage 3 while gathered)
+    GATHERING = "gathering"  # an all-gather is in flight (prefetch); `gather()` completes it
+    SHARDED = "sharded"  # only this rank's shard resident; params hold empty placeholders

@@ -20,7 +20,8 @@ import logging
 
 import torch
 
-from meshspeed.parallel.zero.unit import ParamState, ZeroUnit
+from meshspeed.parallel.zero.flat import FlatUnit
+from meshspeed.parallel.zero.lifecycle import ParamState
 
 log = logging.getLogger("meshspeed")
 
@@ -62,7 +63,7 @@ class OrderTrace:
 class Fetcher:
     """Gathers and releases sharded units for one pass direction at a time."""
 
-    def __init__(self, units: list[ZeroUnit], prefetch_numel: int, max_live_numel: int,
+    def __init__(self, units: list[FlatUnit], prefetch_numel: int, max_live_numel: int,
                  max_ahead: int = 1):
         self.units = units
         self.prefetch_numel = prefetch_numel

@@ -1,10 +1,11 @@
 """ZeRO stages 1-3 composed from units, the stage table, a placement and (stage 3) the fetcher.
 
-Stages 1 and 2 build `FlatUnit`s (flat.py): consecutive parameters in reverse registration
-order (about the order backward produces gradients), at most `unit_numel(...)` elements
-each. Stage 3 builds one `ZeroUnit` per block, a root unit, and one `FlatUnit` for the
-parameters below the persistence threshold (whole on every rank, gradients reduced as in
-stage 2). The engine drives the strategy through meshspeed/parallel/protocol.py.
+Every unit is a `FlatUnit` (flat.py, Note [flat units]). Stages 1 and 2 group consecutive
+parameters in reverse registration order (about the order backward produces gradients),
+at most `unit_numel(...)` elements each. Stage 3 makes one sharded unit per block, a
+sharded root unit, and one whole unit for the parameters below the persistence threshold
+(gradients reduced as in stage 2). The engine drives the strategy through
+meshspeed/parallel/protocol.py.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from meshspeed.parallel.zero.flat import FlatUnit
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
+from meshspeed.parallel.zero.lifecycle import ParamState
 from meshspeed.parallel.zero.placement import DevicePlacement
 from meshspeed.parallel.zero.prefetch import Fetcher, Pass, attach_pre_backward
 from meshspeed.parallel.zero.stages import STAGES
 from meshspeed.parallel.zero.staging import StagingPool
-from meshspeed.parallel.zero.unit import ParamState, ZeroUnit
 
 # Note [unit size for stages 1 and 2]
 # A unit is what one reduce-scatter and one all-gather move. Stage 2 holds the full
@@ -94,12 +95,11 @@ class Zero:
             self._install_module_hooks(plan)
         self.placement.bind(self)
 
-    def _make_unit(self, plan, comm_dtype):
-        if plan.shard_params:
-            return ZeroUnit(plan.name, plan.params, self.groups, comm_dtype=comm_dtype)
-        unit = FlatUnit(plan.name, plan.params, self.groups, keep_full_grads=not self.spec.shard_grads,
-                        pool=self.pool, comm_dtype=comm_dtype)
-        unit.broadcast_from(0)  # every replica starts from the first rank's values
+    def _make_unit(self, plan, comm_dtype) -> FlatUnit:
+        unit = FlatUnit(plan.name, plan.params, self.groups, shard_params=plan.shard_params,
+                        keep_full_grads=not self.spec.shard_grads, pool=self.pool, comm_dtype=comm_dtype)
+        if not plan.shard_params:
+            unit.broadcast_from(0)  # every replica starts from the first rank's values
         return unit
 
     def _gather_built_under_init(self, module: nn.Module, persistence_threshold: int) -> None:
@@ -172,7 +172,7 @@ class Zero:
 
     def _on_grad(self, index: int, param_index: int) -> None:
         unit = self.units[index]
-        if isinstance(unit, FlatUnit) and unit.grads is None:
+        if unit.grads is None:
             unit.receive_grad(param_index)  # staged and freed as it arrives
 
     def _reduce_unit(self, index: int) -> None:
@@ -249,7 +249,7 @@ class Zero:
         self.placement.published()
 
     # -- GatheredParameters ----------------------------------------------------------------
-    def gather_for_user(self, params: list[nn.Parameter]) -> list[ZeroUnit]:
+    def gather_for_user(self, params: list[nn.Parameter]) -> list[FlatUnit]:
         """Make the units holding `params` whole; returns the ones this call gathered."""
         gathered = []
         for unit in self._units_of(params):
@@ -264,7 +264,7 @@ class Zero:
         for unit in self._units_of(params):
             unit.refresh_from_params()
 
-    def release_for_user(self, gathered: list[ZeroUnit]) -> None:
+    def release_for_user(self, gathered: list[FlatUnit]) -> None:
         for unit in gathered:
             unit.release()
 

@@ -1,6 +1,5 @@
 """Which parameters travel together: buckets (stages 1-2) and module units (stage 3)."""
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -147,9 +146,6 @@ def test_parameter_shared_by_two_blocks_stays_in_root():
     assert_partition(plan, model)
 
 
-@pytest.mark.xfail(strict=True, reason="module_units counts only block claims: a parameter "
-                   "shared by one block and a module outside every block goes to the block, "
-                   "and stage 3 forward then finds it released (vec of size 0)")
 def test_parameter_shared_by_a_block_and_the_root_stays_in_root():
     model = Net()
     model.emb = nn.Linear(4, 4, bias=False)  # registered before the blocks, run before them
