@@ -52,7 +52,7 @@ _ARGS_ENV = "MESHSPEED_DEMO_ARGS"
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.worker or "RANK" in os.environ:
+    if args.worker or "TORCHELASTIC_RUN_ID" in os.environ:  # a rank started by torchrun
         if _ARGS_ENV in os.environ:
             args = argparse.Namespace(**json.loads(os.environ[_ARGS_ENV]))
         else:
@@ -106,6 +106,10 @@ def _launch(args: argparse.Namespace) -> int:
 
     argv = ["--nproc-per-node", str(args.nproc), "--master-port", str(_free_port()),
             "-m", "meshspeed.demo", "--worker"]
+    # a rendezvous left in the environment (a job step, a test process) is not this one
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+        os.environ.pop(key, None)
     # the options travel in the environment: torchrun's parser would otherwise claim
     # abbreviations of its own flags (--nproc) among the script's arguments
     os.environ[_ARGS_ENV] = json.dumps(vars(args))

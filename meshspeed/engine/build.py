@@ -27,6 +27,7 @@ from meshspeed.parallel.zero.init import cast_partitioned, gather_partitioned, i
 from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
 from meshspeed.runtime.distributed import describe_world, init_distributed
+from meshspeed.runtime.pages import tune_host_allocator
 
 log = logging.getLogger("meshspeed")
 
@@ -61,6 +62,8 @@ def initialize(
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     accelerator = get_accelerator()
     device = accelerator.device(_local_rank())
+    if device.type == "cpu":
+        tune_host_allocator()  # Note [a fixed mmap threshold for CPU training]
 
     dp_group = None  # pure data parallelism over the whole world (other axes come later)
     dp_size = comm.get_world_size(dp_group)

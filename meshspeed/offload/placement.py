@@ -101,9 +101,11 @@ class OffloadPlacement:
         self._host.append(buf)
 
     def _copies_grads(self, unit) -> bool:
+        # a delayed update reads its gradients while the next backward reduces new ones
+        # into the unit's (persistent) gradient shard: it must step on a copy
         return unit.master_buffer is not None and (
             unit.grad_shard.dtype != torch.float32 or unit.grad_shard.device != unit.master_buffer.device
-            or self.device.type != "cpu")
+            or self.device.type != "cpu" or self.runner is not None)
 
     def grad_shard_ready(self, unit) -> None:
         """Copy one unit's reduced gradient into its host fp32 buffer (non-blocking into

@@ -24,8 +24,10 @@ What is held of the gradients is what the stage table says:
 Note [freeing storage, not swapping tensors]
 A released stage-3 parameter keeps its identity and points at an empty placeholder (numel
 0, as in DeepSpeed: touching it is an ordinary size error, never a read of freed memory).
-The views it had into the flat buffer are kept; the buffer's storage is resized to zero
-bytes, and `gather` resizes the same storage back and all-gathers into it. Autograd may
+The views it had into the flat buffer are kept; the buffer's memory is given back (its
+storage resized to zero bytes, or on the CPU its pages released: Note [releasing pages,
+not storage, on the CPU] in meshspeed/runtime/pages.py), and `gather` all-gathers into
+the same storage again. Autograd may
 have saved views of a parameter in forward (`weight.t()` inside linear); they share that
 storage, so they see the re-gathered values in backward and keep nothing alive between.
 
@@ -47,6 +49,7 @@ from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState, Span
 from meshspeed.parallel.zero.staging import StagingPool
+from meshspeed.runtime.pages import can_release_pages, release_pages
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,12 @@ class FlatUnit:
             if keep_full_grads else None
         if self.grads is not None:
             self.grads.bind()
-        self.grad_shard: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None  # this step's reduced gradient (or None)
+        # its storage, kept across steps (reduction outputs allocated per micro-step would
+        # churn shard-sized blocks through the allocator every step); stage 1 reduces in
+        # place into its own range of the full gradient buffer
+        self._grad_shard_buf = self.grads.flat[lo : lo + self.shard_numel] if self.grads is not None \
+            else torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
         self.state = ParamState.WHOLE
         self.in_use = 0  # forwards of the unit's module running now (stage-3 hooks count them)
         self._pending = None  # the work handle of an in-flight all-gather
@@ -153,6 +161,7 @@ class FlatUnit:
         self._reducing = False
         if shard_params:
             self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+            self._by_pages = can_release_pages(self.device)  # Note [releasing pages, not storage, on the CPU]
             self._drop_full()
 
     def _build_shard(self) -> torch.Tensor:
@@ -197,7 +206,8 @@ class FlatUnit:
         if self.state is not ParamState.SHARDED:
             raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
         shard = self.shard if self.shard_store is None else self.shard_store.fetch(self)
-        self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+        if not self._by_pages:
+            self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
         self._pending = comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard,
                                                     async_op=True)
         self.state = ParamState.GATHERING
@@ -218,14 +228,22 @@ class FlatUnit:
         self._drop_full()
 
     def _drop_full(self) -> None:
-        self.flat.untyped_storage().resize_(0)
+        if self._by_pages:
+            release_pages(self.flat)
+        else:
+            self.flat.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self._placeholder
         self.state = ParamState.SHARDED
 
     def gathered_bytes(self) -> int:
         """Bytes of full parameters resident or arriving (stage 3)."""
-        return self.flat.untyped_storage().nbytes() if self.shard_params else 0
+        if not self.shard_params or self.state is ParamState.SHARDED:
+            return 0
+        return self.flat.untyped_storage().nbytes()
+
+    def gathered_tensors(self) -> list[torch.Tensor]:
+        return [self.flat] if self.shard_params and self.state is not ParamState.SHARDED else []
 
     # -- gradients --------------------------------------------------------------------------
     def receive_grad(self, i: int) -> None:
@@ -271,17 +289,27 @@ class FlatUnit:
             else:
                 self._zero_gaps(staged)
             src = staged
-        out = torch.empty(self.shard_numel, dtype=self.comm_dtype, device=self.device)
+        direct = self.grad_shard is None and self.comm_dtype == self.dtype
+        out = self._grad_shard_buf if direct else self.pool.take(self.shard_numel)
         work = comm.reduce_scatter_tensor(out, src, group=self.groups.shard, async_op=True)
 
-        def finish() -> torch.Tensor:
+        def finish() -> None:
+            """Wait; this rank's averaged shard is added to `grad_shard`."""
             work.wait()
             if staged is not None:
                 self.pool.give_back(staged)
             if self.groups.replicate is not None:
                 comm.all_reduce(out, group=self.groups.replicate)
             self._reducing = False
-            return out.div_(self.groups.size).to(self.dtype)
+            out.div_(self.groups.size)
+            if direct:
+                self.grad_shard = out
+                return
+            if self.grad_shard is None:
+                self.grad_shard = self._grad_shard_buf.copy_(out)
+            else:
+                self.grad_shard.add_(out)
+            self.pool.give_back(out)
 
         return finish
 
@@ -290,12 +318,6 @@ class FlatUnit:
             if not arrived:
                 staged[off : off + n].zero_()
         staged[self.layout.numel :].zero_()
-
-    def accumulate_grad_shard(self, shard: torch.Tensor) -> None:
-        if self.grad_shard is None:
-            self.grad_shard = shard
-        else:
-            self.grad_shard.add_(shard)
 
     def attach_master_grads(self) -> None:
         """Point each master's .grad at its span of the reduced gradient shard (fp32)."""
@@ -353,7 +375,7 @@ class FlatUnit:
         return [self.shard] if self.shard_params else [self.flat]
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        out = [] if self.grad_shard is None else [self.grad_shard]
+        out = [self._grad_shard_buf]
         if self.grads is not None:
             out.append(self.grads.flat)
         return out + [p.grad for p in self.params if p.grad is not None]

@@ -35,8 +35,9 @@ from meshspeed.parallel.zero.staging import StagingPool
 # gradients of at most a few units at once (Note [staging pool]), so a unit of the whole
 # model would hold the whole model's gradients, which is what stage 2 exists to avoid.
 # Units are therefore at most `reduce_bucket_size` elements and at most an eighth of the
-# model, but never under 2^20 elements, below which per-collective latency dominates.
-MIN_UNIT_NUMEL = 1 << 20
+# model, but never under 2^18 elements (1 MiB in fp32), below which per-collective
+# latency dominates.
+MIN_UNIT_NUMEL = 1 << 18
 UNITS_PER_MODEL = 8
 
 
@@ -191,7 +192,7 @@ class Zero:
 
     def _settle_one(self) -> None:
         unit, finish = self._pending.pop(0)
-        unit.accumulate_grad_shard(finish())
+        finish()  # the unit's grad_shard now holds (or has accumulated) its reduced shard
         if self.boundary:
             self.placement.grad_shard_ready(unit)
 
@@ -275,7 +276,7 @@ class Zero:
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
             "params": [t for u in self.units for t in u.param_tensors()],
-            "gathered_params": [p for u in self.units if u.shard_params for p in u.params],
+            "gathered_params": [t for u in self.units for t in u.gathered_tensors()],
             # fp32 training: masters alias the params (or the stage-3 shard), nothing extra
             "master_params": [u.master_buffer for u in self.units if u.master_buffer is not None],
             "grads": [t for u in self.units for t in u.grad_tensors()] + self.placement.extra_grads(),
