@@ -16,6 +16,7 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.config import ConfigError, MeshspeedConfig, load_config
+from meshspeed.config.no_effect import report_no_effect
 from meshspeed.engine.engine import MeshspeedEngine
 from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement
 from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
@@ -68,6 +69,7 @@ def initialize(
     dp_group = None  # pure data parallelism over the whole world (other axes come later)
     dp_size = comm.get_world_size(dp_group)
     cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_world())
+    report_no_effect(cfg, rank=comm.get_rank())
     check_offload(cfg, client_optimizer=optimizer)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)

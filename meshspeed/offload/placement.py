@@ -42,6 +42,7 @@ from torch import nn
 
 from meshspeed.offload.hostmem import host_empty
 from meshspeed.offload.optimizer import BackgroundStep
+from meshspeed.parallel.zero.flat import publish_all
 
 log = logging.getLogger("meshspeed")
 
@@ -153,8 +154,8 @@ class OffloadPlacement:
 
     def finish_step(self, zero) -> None:
         if self.runner is None:
+            publish_all(zero.units)
             for unit in zero.units:
-                unit.publish_masters()
                 unit.drop_grads()
             return
         self._published = False  # the update (if the engine started one) is still running
@@ -167,8 +168,7 @@ class OffloadPlacement:
             return
         self.runner.wait()
         if not self._published:
-            for unit in zero.units:
-                unit.publish_masters()
+            publish_all(zero.units)
             self._published = True
 
     def wait(self) -> None:

@@ -1,46 +1,56 @@
-"""Counting the bytes of tensors that operators allocate, as they are allocated and freed.
+"""Bytes of the tensor storages a process holds, found by walking its live objects.
 
-`LiveBytes` is a dispatch mode: every tensor an operator returns whose storage it has not
-seen is counted until that tensor is garbage collected, and the peak of the running total
-is kept. It sees what a strategy really allocates (gradients autograd produces, staging
-and communication buffers made with torch.empty, ...) without asking the strategy.
-
-A storage is counted from its first tensor and released when that tensor dies; a view
-that outlives its base would be under-counted, so keep buffers as bases (pools do).
+`StorageSampler.sample()` sums the distinct storages of every tensor reachable from
+Python (parameters, their `.grad`, optimizer state, a strategy's buffers and pools),
+wherever they hang: it measures what is really held, not what a strategy says it holds.
+The parameters' `.grad` are added explicitly. Storages only C++ holds (autograd's saved
+activations, a collective's internal scratch) are not visible, which is what a gradient-memory test wants: sample before backward and
+from gradient hooks during it, and the growth is the gradient bytes held.
 """
 
 from __future__ import annotations
 
-import weakref
+import gc
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch import nn
 
 
-class LiveBytes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.now = 0
-        self.peak = 0
-        self._live: dict[int, int] = {}  # storage data_ptr -> bytes
+class StorageSampler:
+    """`params`: also count their `.grad` (autograd keeps a gradient in C++, where the
+    garbage collector's list of objects does not reach until Python asks for it)."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                self._track(t)
-        return out
+    def __init__(self, params=()):
+        self.params = list(params)
+        self.samples: list[int] = []
 
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or key in self._live:
-            return
-        self._live[key] = nbytes
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(t, self._free, key)
+    def live_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        grads = [p.grad for p in self.params if p.grad is not None]
+        for obj in [*gc.get_objects(), *grads]:
+            if type(obj) not in (torch.Tensor, nn.Parameter) or obj.is_meta:
+                continue
+            storage = obj.untyped_storage()
+            key = storage.data_ptr()
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        return total
 
-    def _free(self, key: int) -> None:
-        self.now -= self._live.pop(key, 0)
+    def sample(self) -> int:
+        self.samples.append(self.live_bytes())
+        return self.samples[-1]
+
+    def hook_gradients(self) -> list:
+        """Sample after each parameter's gradient is accumulated (hooks registered after
+        the strategy's, so they see the state the strategy left)."""
+        def hook(_param) -> None:
+            self.sample()
+
+        return [p.register_post_accumulate_grad_hook(hook) for p in self.params if p.requires_grad]
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples)

@@ -336,19 +336,22 @@ class FlatUnit:
             self.grads.bind()
 
     # -- parameters -------------------------------------------------------------------------
-    def publish_masters(self) -> None:
+    def publish_masters(self, wait: bool = True):
         """After the optimizer step: updated masters -> the parameters. Stages 1-2
-        all-gather this rank's range in place into the flat buffer the parameters view;
-        stage 3 writes the shard the next gather reads (a unit still whole is released)."""
+        all-gather this rank's range in place into the flat buffer the parameters view
+        (with `wait=False` the work handle is returned: the caller waits); stage 3 writes
+        the shard the next gather reads (a unit still whole is released)."""
         if not self.shard_params:
             if self.master_buffer is not None:
                 self.shard.copy_(self.master_buffer)
-            comm.all_gather_into_tensor(self.flat, self.shard, group=self.groups.shard)
-            return
+            work = comm.all_gather_into_tensor(self.flat, self.shard, group=self.groups.shard,
+                                               async_op=not wait)
+            return None if wait else work
         if self.master_buffer is not None:
             self._write_shard(self.master_buffer)
         if self.state is not ParamState.SHARDED:
             self.release()
+        return None
 
     def refresh_from_params(self) -> None:
         """The whole parameters were changed from outside (GatheredParameters with a
@@ -379,3 +382,12 @@ class FlatUnit:
         if self.grads is not None:
             out.append(self.grads.flat)
         return out + [p.grad for p in self.params if p.grad is not None]
+
+
+def publish_all(units: list[FlatUnit]) -> None:
+    """`publish_masters` of every unit, with the all-gathers of whole units in flight
+    together (one wait per unit at the end instead of a round trip per unit)."""
+    works = [unit.publish_masters(wait=False) for unit in units]
+    for work in works:
+        if work is not None:
+            work.wait()

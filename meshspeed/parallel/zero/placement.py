@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from meshspeed.parallel.zero.flat import publish_all
+
 
 class DevicePlacement:
     """Every tensor of every unit stays where the unit made it."""
@@ -38,8 +40,8 @@ class DevicePlacement:
             unit.attach_master_grads()
 
     def finish_step(self, zero) -> None:
+        publish_all(zero.units)
         for unit in zero.units:
-            unit.publish_masters()
             unit.drop_grads()
 
     def wait(self) -> None:

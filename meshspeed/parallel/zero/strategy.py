@@ -20,7 +20,7 @@ from meshspeed.parallel import registry
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice
 from meshspeed.parallel.weak import weak_method
-from meshspeed.parallel.zero.flat import FlatUnit
+from meshspeed.parallel.zero.flat import FlatUnit, publish_all
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
@@ -169,7 +169,7 @@ class Zero:
         # stage 1 reduces once per step, from full gradients accumulated over micro-steps
         # (at the boundary backward, as each unit completes); stages 2-3 reduce every
         # micro-step and keep only the owned, accumulated slice
-        self.tracker.arm(self.spec.reduce_every_micro_step or boundary)
+        self.tracker.arm(self.spec.shard_grads or boundary)
 
     def _on_grad(self, index: int, param_index: int) -> None:
         unit = self.units[index]
@@ -245,8 +245,7 @@ class Zero:
     def sync_params_from_masters(self) -> None:
         """Masters were overwritten (checkpoint load): rebuild parameters from them."""
         self.placement.wait()
-        for unit in self.units:
-            unit.publish_masters()
+        publish_all(self.units)
         self.placement.published()
 
     # -- GatheredParameters ----------------------------------------------------------------
