@@ -28,7 +28,7 @@ from meshspeed.parallel.zero.init import cast_partitioned, gather_partitioned, i
 from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
 from meshspeed.runtime.distributed import describe_world, init_distributed
-from meshspeed.runtime.pages import tune_host_allocator
+from meshspeed.runtime.malloc import tune_host_allocator
 
 log = logging.getLogger("meshspeed")
 

@@ -24,10 +24,10 @@ What is held of the gradients is what the stage table says:
 Note [freeing storage, not swapping tensors]
 A released stage-3 parameter keeps its identity and points at an empty placeholder (numel
 0, as in DeepSpeed: touching it is an ordinary size error, never a read of freed memory).
-The views it had into the flat buffer are kept; the buffer's memory is given back (its
-storage resized to zero bytes, or on the CPU its pages released: Note [releasing pages,
-not storage, on the CPU] in meshspeed/runtime/pages.py), and `gather` all-gathers into
-the same storage again. Autograd may
+The views it had into the flat buffer are kept; the buffer's storage is resized to zero
+bytes, and `gather` resizes the same storage back and all-gathers into it (on the CPU,
+Note [a fixed mmap threshold for CPU training] in meshspeed/runtime/malloc.py keeps
+these unit-sized blocks from piling up in glibc's heap). Autograd may
 have saved views of a parameter in forward (`weight.t()` inside linear); they share that
 storage, so they see the re-gathered values in backward and keep nothing alive between.
 
@@ -49,7 +49,6 @@ from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState, Span
 from meshspeed.parallel.zero.staging import StagingPool
-from meshspeed.runtime.pages import can_release_pages, release_pages
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,6 @@ class FlatUnit:
         self._reducing = False
         if shard_params:
             self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
-            self._by_pages = can_release_pages(self.device)  # Note [releasing pages, not storage, on the CPU]
             self._drop_full()
 
     def _build_shard(self) -> torch.Tensor:
@@ -206,8 +204,7 @@ class FlatUnit:
         if self.state is not ParamState.SHARDED:
             raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
         shard = self.shard if self.shard_store is None else self.shard_store.fetch(self)
-        if not self._by_pages:
-            self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+        self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
         self._pending = comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard,
                                                     async_op=True)
         self.state = ParamState.GATHERING
@@ -228,19 +225,14 @@ class FlatUnit:
         self._drop_full()
 
     def _drop_full(self) -> None:
-        if self._by_pages:
-            release_pages(self.flat)
-        else:
-            self.flat.untyped_storage().resize_(0)
+        self.flat.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self._placeholder
         self.state = ParamState.SHARDED
 
     def gathered_bytes(self) -> int:
         """Bytes of full parameters resident or arriving (stage 3)."""
-        if not self.shard_params or self.state is ParamState.SHARDED:
-            return 0
-        return self.flat.untyped_storage().nbytes()
+        return self.flat.untyped_storage().nbytes() if self.shard_params else 0
 
     def gathered_tensors(self) -> list[torch.Tensor]:
         return [self.flat] if self.shard_params and self.state is not ParamState.SHARDED else []

@@ -74,13 +74,17 @@ def _measure(stage):
     return psi, plain, _strategy_held(stage)
 
 
+# stage 2: at most about two units of Psi/8 staged (the one filling, the one in flight);
+# stage 3 adds the gathered parameters of the block running and the one prefetched (live
+# storages the sampler sees too). Either holding the model's gradients would be 1.0.
+BOUND = {2: 0.35, 3: 0.5}
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_peak_gradient_bytes_during_backward(stage):
     for psi, plain, held in run_distributed(_measure, world_size=2, args=(stage,)):
         full = 4 * psi  # fp32 gradients of the whole model
         assert plain >= full, "the instrument does not see a plain backward's gradients"
-        # at most about two units of Psi/8 staged (the one filling, the one in flight),
-        # plus the reduced shards (Psi/N); the whole model's gradients would be 4*Psi
-        assert held < 0.35 * full, (
+        assert held < BOUND[stage] * full, (
             f"stage {stage} held {held / 2**20:.1f} MiB of gradients during backward; "
             f"the model's full gradients are {full / 2**20:.1f} MiB")

@@ -1,0 +1,38 @@
+"""Host memory that goes back to the operating system: a fixed glibc mmap threshold."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+# Note [a fixed mmap threshold for CPU training]
+# glibc serves allocations above its mmap threshold with mmap (returned to the OS on free)
+# and smaller ones from its heap, whose freed blocks the process keeps. The threshold
+# adapts upwards to the largest block freed so far (up to 32 MiB), so after the first
+# unit-sized buffer is freed, every later unit-sized transient (gradients, shards,
+# staging) comes from the heap, and the heap's high-water mark, not the bytes in use,
+# becomes the process's resident memory: measured on the state-heavy benchmark GPT, stage
+# 3 held 528 MiB resident for 270 MiB of live tensors. A fixed threshold of 4 MiB keeps
+# blocks that large out of the heap (359 MiB resident for the same run) while the
+# activations of small and mid-sized models, allocated and freed every step, stay on the
+# heap (no page faults). Set MESHSPEED_MMAP_THRESHOLD (bytes; 0 leaves glibc's default)
+# to change it. It has no effect without glibc.
+DEFAULT_MMAP_THRESHOLD = 4 << 20
+_M_MMAP_THRESHOLD = -3
+_tuned = False
+
+
+def tune_host_allocator() -> int:
+    """Fix glibc's mmap threshold once per process (Note [a fixed mmap threshold for CPU
+    training]); returns the threshold set, or 0 when left alone."""
+    global _tuned
+    threshold = int(os.environ.get("MESHSPEED_MMAP_THRESHOLD", DEFAULT_MMAP_THRESHOLD))
+    if _tuned or threshold <= 0 or not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return 0
+    _tuned = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    return threshold if _tuned else 0
