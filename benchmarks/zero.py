@@ -46,8 +46,8 @@ A process's peak RSS never goes down, and glibc keeps freed heap pages, so frame
 share processes would inherit each other's peaks. Each framework therefore runs in fresh
 rank processes, and each rank also resets its peak (`/proc/self/clear_refs`, "5") just
 before it builds the model: `peak RSS` is the process's whole high-water mark,
-`above baseline` the part above what the process held once torch, the process group and
-the data were loaded. Rank 0 gathers every rank's numbers and hands them to this (parent)
+`above baseline` the part above what the process held once torch, the process group, the
+data and the framework's own modules (`_import_framework`) were loaded. Rank 0 gathers every rank's numbers and hands them to this (parent)
 process, which writes the report (for DeepSpeed, through the worker process of Note
 [DeepSpeed in its own venv], which only waits for its ranks meanwhile).
 
@@ -243,6 +243,20 @@ class _NoProfile:
         return False
 
 
+def _import_framework(name: str) -> None:
+    """Import what the framework's trainer will import, so that its modules (meshspeed's
+    config models, FSDP, DeepSpeed's engine) count in the baseline, not as model memory."""
+    import importlib
+
+    modules = {"ddp": ["torch.nn.parallel"], "fsdp2": ["torch.distributed.fsdp"]}.get(name)
+    if modules is None:
+        library = name.split("-")[0]
+        modules = ["meshspeed.engine.build", "meshspeed.offload", "meshspeed.checkpoint"] \
+            if library == "meshspeed" else ["deepspeed"]
+    for module in modules:
+        importlib.import_module(module)
+
+
 def rank_main(rank: int, world: int, port: int, name: str, setup: Setup, out_file: str,
               profile_steps: int, nice: int) -> None:
     if nice:
@@ -261,6 +275,7 @@ def rank_main(rank: int, world: int, port: int, name: str, setup: Setup, out_fil
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         batches = make_batches(setup, world, rank, setup.warmup + max(setup.steps, profile_steps) + 1)
+        _import_framework(name)  # code is not model memory: loaded before the baseline
         gc.collect()
         res = RankResult(peak_reset=_reset_peak_rss(), baseline_rss_kb=_status_kb("VmRSS"))
         trainer = make_trainer(name, setup, world)

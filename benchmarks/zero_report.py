@@ -201,8 +201,8 @@ def render_markdown(rows: dict[str, dict], setup, world: int, psi: int, command:
          "measure the neighbours as much as the framework."),
         ("- **peak RSS**: largest per-rank high-water mark (VmHWM); **above baseline** (the "
          "memory headline): the same minus the rank's RSS just before the model was built "
-         "(torch, the process group and the data are already loaded then; for DeepSpeed also "
-         "its comm layer, `deepspeed.init_distributed`), the larger of the ranks, measured the "
+         "(torch, the process group, the data and the framework's modules are already loaded "
+         "then; for DeepSpeed also its comm layer, `deepspeed.init_distributed`), the larger of the ranks, measured the "
          "same way for every framework."),
         ("- **model state**: params (master weights included) + grads + optimizer state resident "
          "on the rank (the larger of the ranks), counted from the tensors after backward and "
