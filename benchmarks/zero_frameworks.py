@@ -152,7 +152,7 @@ class TorchTrainer:
         return torch_state_bytes(self.model, self.opt)
 
 
-class MasterWeightsDDP:
+class MasterWeightsDDP(TorchTrainer):
     """The bf16 DDP baseline (Note [bf16 in each framework]): torch DDP over the bf16 model,
     buckets all-reduced in fp32 by a comm hook that also sets the fp32 masters' gradients."""
 
@@ -167,12 +167,6 @@ class MasterWeightsDDP:
         self.wrapped.register_comm_hook(self, _reduce_in_fp32)
         self.opt = torch.optim.AdamW([self.master_of[id(p)] for p in self.params], lr=setup.lr,
                                      weight_decay=setup.weight_decay, fused=setup.fused)
-
-    def forward(self, x, y):
-        return self.wrapped(x, y)
-
-    def backward(self, loss):
-        loss.backward()
 
     def optimizer_step(self):
         self.opt.step()

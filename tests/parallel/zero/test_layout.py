@@ -1,5 +1,5 @@
-"""ParamLayout / UnitLayout index math (Note [per-parameter sharding]), checked against a
-brute-force model of the padded flat parameter cut into N equal chunks."""
+"""Shard layouts: ParamLayout / UnitLayout index math (Note [per-parameter sharding], used by
+zero.Init), checked against a brute-force model, and FlatLayout (Note [flat units])."""
 
 import math
 
@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshspeed.parallel.zero.flat import FlatLayout
 from meshspeed.parallel.zero.layout import ParamLayout, UnitLayout
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
@@ -122,3 +123,33 @@ def test_empty_unit_layout():
     unit = UnitLayout.build([], world=4)
     assert unit.params == ()
     assert (unit.shard_numel, unit.numel, unit.padded_numel) == (0, 0, 0)
+
+
+# -- FlatLayout: the flat units of every stage (a contiguous range of the padded flat buffer per rank)
+
+
+@given(numels=st.lists(st.integers(0, 300), min_size=1, max_size=8), world=st.integers(1, 8))
+def test_flat_spans_tile_every_parameter_exactly_once(numels, world):
+    layout = FlatLayout(tuple(numels), world)
+    assert layout.padded_numel == layout.shard_numel * world >= layout.numel
+    assert layout.padded_numel - layout.numel < world or layout.numel == 0
+    covered = [[0] * n for n in numels]
+    for rank in range(world):
+        spans = layout.spans(rank)
+        assert len(spans) == len(numels)
+        for i, s in enumerate(spans):
+            assert 0 <= s.start and s.start + s.numel <= numels[i]
+            assert 0 <= s.offset and s.offset + s.numel <= layout.shard_numel
+            # the span sits where the parameter's elements are in the flat buffer
+            if s.numel:
+                assert rank * layout.shard_numel + s.offset == layout.offsets[i] + s.start
+            for k in range(s.start, s.start + s.numel):
+                covered[i][k] += 1
+    assert all(c == 1 for row in covered for c in row)
+
+
+def test_flat_spans_of_a_small_parameter_on_many_ranks():
+    layout = FlatLayout((3, 10), 4)  # 13 elements -> 4 per rank, padded to 16
+    assert layout.shard_numel == 4 and layout.offsets == (0, 3)
+    assert [(s.start, s.numel, s.offset) for s in layout.spans(0)] == [(0, 3, 0), (0, 1, 3)]
+    assert [(s.start, s.numel, s.offset) for s in layout.spans(3)] == [(3, 0, 0), (9, 1, 0)]
