@@ -89,7 +89,15 @@ def resolve(load_dir: str | os.PathLike, tag: str | None) -> str:
         if not tag:
             raise CheckpointError(f"no '{LATEST}' file in {load_dir} and no tag given; pass "
                                   f"tag=... ({_available(load_dir)})")
-    path = os.path.join(load_dir, str(tag))
+    try:  # the rules save applies: a tag is a plain name inside load_dir, never a path
+        tag = check_tag(tag)
+    except CheckpointError as err:
+        if from_latest:
+            raise CheckpointError(f"{os.path.join(load_dir, LATEST)} names {tag!r}, which is not a "
+                                  f"checkpoint inside {load_dir}: a tag is a plain directory name "
+                                  f"(no '/', not '..'); pass tag=... ({_available(load_dir)})") from None
+        raise err from None
+    path = os.path.join(load_dir, tag)
     if is_checkpoint(path):
         return path
     aside = glob.glob(glob.escape(path) + ".old-*")

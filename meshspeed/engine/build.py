@@ -74,6 +74,11 @@ def initialize(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
 
+    if not any(p.requires_grad for p in model.parameters()):
+        count = sum(1 for _ in model.parameters())
+        raise ValueError(f"initialize(model=...): {type(model).__name__} has no trainable parameters "
+                         f"({count} parameters, all with requires_grad=False); unfreeze some "
+                         "(p.requires_grad_(True)) or run the model without an engine for inference")
     module = _cast(model, device, cfg.precision_dtype)
     placement = offload_placement(cfg)
     strategy = _build_strategy(module, dp_group, cfg, placement)

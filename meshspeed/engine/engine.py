@@ -44,6 +44,7 @@ class MeshspeedEngine(nn.Module):
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._micro_started = False
+        self._backward_done = False  # a backward ran since the last step()
         self._last_loss: torch.Tensor | None = None
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------------
@@ -96,6 +97,12 @@ class MeshspeedEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate `loss`, averaged over accumulation steps and scaled for fp16."""
+        if self._backward_done:
+            raise RuntimeError(
+                "engine.backward() called twice without engine.step() in between; call "
+                "engine.step() after every backward: it counts the micro-step and applies the "
+                f"optimizer only at the accumulation boundary (every {self.gradient_accumulation_steps} "
+                "micro-steps here)")
         if not self._micro_started:  # forward ran outside the engine (engine.module(...))
             self.strategy.begin_micro_step(self.is_gradient_accumulation_boundary())
         scaled = loss
@@ -105,6 +112,7 @@ class MeshspeedEngine(nn.Module):
             scaled = scaled * self.loss_scaler.scale
         scaled.backward(retain_graph=retain_graph)
         self.strategy.finish_backward()
+        self._backward_done = True
         self._micro_started = False
         self._last_loss = loss.detach()
         return loss
@@ -115,6 +123,12 @@ class MeshspeedEngine(nn.Module):
             from meshspeed.checkpoint.engine_api import raise_pending_errors
 
             raise_pending_errors(self)
+        if not self._backward_done:
+            raise RuntimeError(
+                "engine.step() called before engine.backward(): each micro-step is "
+                "loss = engine(batch); engine.backward(loss); engine.step() (no step was taken; "
+                f"the engine is at optimizer step {self.global_steps}, micro-step {self.micro_steps})")
+        self._backward_done = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size

@@ -24,12 +24,25 @@ _ALLOWED = {
 _IGNORED = {"torch_adam", "bias_correction", "adam_w_mode"}  # DeepSpeed switches with no torch twin
 
 
+_NUMBERS = {"lr", "weight_decay", "eps", "momentum", "dampening"}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 def _check_params(kind: str, params: dict[str, Any]) -> None:
-    for key in params:
+    for key, value in params.items():
         if key not in _ALLOWED[kind]:
             hint = get_close_matches(key, sorted(_ALLOWED[kind]), n=1)
             extra = f"; did you mean '{hint[0]}'?" if hint else f"; allowed: {sorted(_ALLOWED[kind])}"
             raise ValueError(f"optimizer.params.{key}: unknown parameter for {kind}{extra}")
+        if key in _NUMBERS and not _is_number(value):
+            raise ValueError(f"optimizer.params.{key}: expected a number, got {value!r} "
+                             f"({type(value).__name__}); write it without quotes, e.g. 1e-3")
+        if key == "betas" and not (isinstance(value, list | tuple) and len(value) == 2
+                                   and all(_is_number(b) for b in value)):
+            raise ValueError(f"optimizer.params.betas: expected two numbers, e.g. [0.9, 0.999]; got {value!r}")
 
 
 def build_optimizer(kind: str, params: dict[str, Any], groups: list[dict]) -> torch.optim.Optimizer:

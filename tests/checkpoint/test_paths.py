@@ -74,3 +74,28 @@ def test_incomplete_directory_and_interrupted_replacement(tmp_path):
 def test_bad_tags(tag):
     with pytest.raises(CheckpointError, match="invalid checkpoint tag"):
         check_tag(tag)
+
+
+@pytest.mark.parametrize("target", ["../other/global_step2", "/abs/global_step2", "..", "."])
+def test_load_refuses_latest_pointing_outside(tmp_path, target):
+    """Issue 9 case 6: load follows `latest` only to a tag inside the directory, as save does."""
+    other = tmp_path / "other"
+    make_ckpt(other, "global_step2")  # a real checkpoint the pointer could reach
+    run = tmp_path / "run"
+    make_ckpt(run, "global_step1")
+    (run / "latest").write_text(target + "\n")
+    with pytest.raises(CheckpointError) as err:
+        resolve(run, None)
+    msg = one_line(err)
+    assert f"names {target!r}, which is not a checkpoint inside {run}" in msg
+    assert "global_step1" in msg  # the available tags
+
+
+@pytest.mark.parametrize("tag", ["..", "../other/global_step2", "/abs/x"])
+def test_load_refuses_path_tags(tmp_path, tag):
+    make_ckpt(tmp_path / "other", "global_step2")
+    run = tmp_path / "run"
+    make_ckpt(run, "global_step1")
+    with pytest.raises(CheckpointError) as err:
+        resolve(run, tag)
+    assert "invalid checkpoint tag" in one_line(err)

@@ -141,3 +141,55 @@ def test_memory_breakdown_keys():
     keys = run_distributed(_memory_keys, world_size=2)[0]
     for key in ("params", "master_params", "grads", "optimizer_state", "comm_buffers", "gathered_params"):
         assert key in keys
+
+
+def _misordered_calls(stage):
+    """Issue 9 case 5: step() before backward(), backward() twice, step() on a fresh engine."""
+    model = _model()
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage}})
+    out = {}
+    with pytest.raises(RuntimeError) as err:
+        engine.step()  # fresh engine
+    out["fresh"] = (str(err.value), engine.global_steps, engine.micro_steps)
+    x, y = _batch()
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError) as err:
+        engine.backward(engine(x, y))
+    out["twice"] = str(err.value)
+    engine.step()  # the first backward's step still works
+    with pytest.raises(RuntimeError) as err:
+        engine.step()
+    out["again"] = (str(err.value), engine.global_steps)
+    engine.backward(engine(x, y))  # and training goes on normally
+    engine.step()
+    out["steps"] = engine.global_steps
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_misordered_step_and_backward_are_clear_errors(stage):
+    for out in run_distributed(_misordered_calls, world_size=2, args=(stage,)):
+        msg, steps, micro = out["fresh"]
+        assert msg.startswith("engine.step() called before engine.backward()") and (steps, micro) == (0, 0)
+        assert out["twice"].startswith("engine.backward() called twice without engine.step()")
+        assert out["again"] == (out["again"][0], 1) and "optimizer step 1" in out["again"][0]
+        assert out["steps"] == 2
+
+
+def _frozen_model_error():
+    model = _model()
+    model.requires_grad_(False)
+    try:
+        meshspeed.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_model_without_trainable_parameters_is_refused():
+    for msg in run_distributed(_frozen_model_error, world_size=2):
+        assert msg.startswith("initialize(model=...): GPT has no trainable parameters")
+        assert "requires_grad=False" in msg
