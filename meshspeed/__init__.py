@@ -18,6 +18,7 @@ _LAZY = {
     "DeepSpeedEngine": ("meshspeed.engine.engine", "MeshspeedEngine"),
     "init_distributed": ("meshspeed.runtime.distributed", "init_distributed"),
     "ConfigError": ("meshspeed.config.errors", "ConfigError"),
+    "DivergenceError": ("meshspeed.engine.agreement", "DivergenceError"),
     "estimate_memory": ("meshspeed.planner.estimate", "estimate_memory"),
     "zero": ("meshspeed.zero", None),
     "comm": ("meshspeed.comm", None),

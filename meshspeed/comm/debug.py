@@ -1,7 +1,7 @@
 """MESHSPEED_COMM_DEBUG=1: catch ranks that issue different collectives, instead of hanging.
 
 Before each group collective, every rank all-gathers a small fingerprint (per-group
-call number, op name, shape, dtype) over the same group and raises
+call number, op name, shape, dtype, call site) over the same group and raises
 CollectiveMismatchError on every rank if they differ. This costs one extra object
 all-gather per collective, so it is for debugging only. Point-to-point ops are not
 checked (only two ranks take part). A rank that calls a collective on a different
@@ -34,6 +34,32 @@ def reset_for_tests() -> None:
     _call_numbers.clear()
 
 
+def _call_site() -> str:
+    """file:line of the first caller outside meshspeed/comm (who issued the collective)."""
+    import sys
+
+    frame = sys._getframe(2)
+    here = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _is_fingerprint(fp: Any) -> bool:
+    return isinstance(fp, tuple) and len(fp) == 5
+
+
+def _describe(fp: Any) -> str:
+    if not _is_fingerprint(fp):
+        # the peer was not in a debug check: it is inside another collective (often an
+        # object collective such as a checkpoint's) whose data landed here
+        return f"not at a checked collective (received {str(fp)[:60]!r} instead of a fingerprint)"
+    number, op, shape, dtype, site = fp
+    return f"collective #{number} {op}(shape={shape}, dtype={dtype}) at {site}"
+
+
 def check(op: str, group: Any, tensor: torch.Tensor | None, same_shape: bool = True) -> None:
     """Raise CollectiveMismatchError unless every rank of `group` is at the same call."""
     pg = group if group is not None else dist.group.WORLD
@@ -41,18 +67,22 @@ def check(op: str, group: Any, tensor: torch.Tensor | None, same_shape: bool = T
     _call_numbers[id(pg)] = number + 1
     shape = tuple(tensor.shape) if tensor is not None and same_shape else None
     dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
-    mine = (number, op, shape, dtype)
+    mine = (number, op, shape, dtype, _call_site())
     everyone: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, mine, group=pg)
-    if all(fp == mine for fp in everyone):
+    try:
+        dist.all_gather_object(everyone, mine, group=pg)
+    except Exception as err:
+        raise CollectiveMismatchError(
+            f"rank {dist.get_rank()}: the collective fingerprint exchange before {op} at "
+            f"{mine[4]} (call #{number} on this group) failed ({type(err).__name__}: {err}); "
+            "another rank is most likely inside a different collective") from err
+    keys = [fp[:4] if _is_fingerprint(fp) else repr(fp) for fp in everyone]
+    if all(k == mine[:4] for k in keys):
         return
-    common = Counter(everyone).most_common(1)[0][0]
+    common = Counter(keys).most_common(1)[0][0]
     ranks = dist.get_process_group_ranks(pg)
-    lines = [
-        f"  rank {rank}: collective #{fp[0]} {fp[1]}(shape={fp[2]}, dtype={fp[3]})"
-        + ("   <-- differs" if fp != common else "")
-        for rank, fp in zip(ranks, everyone)
-    ]
+    lines = [f"  rank {rank}: {_describe(fp)}" + ("   <-- differs" if key != common else "")
+             for rank, fp, key in zip(ranks, everyone, keys)]
     raise CollectiveMismatchError(
         f"ranks of the group {ranks} issued different collectives "
         f"(seen from rank {dist.get_rank()}):\n" + "\n".join(lines)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.engine.agreement import STEP_COUNTERS, agree
 from meshspeed.engine.memory import count_bytes
 from meshspeed.offload.tiers import add_tiers, resident_state_tensors
 from meshspeed.optim.clip import clip_by_norm_, global_grad_norm
@@ -134,6 +135,10 @@ class MeshspeedEngine(nn.Module):
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if not boundary:
             return
+        # Note [agreement before each step]
+        agree(f"optimizer step {self.global_steps}", dict(zip(STEP_COUNTERS, (
+            self.global_steps, self.micro_steps, self.skipped_steps))), group=self.dp_group,
+            device=self.device)
         masters = self.strategy.prepare_step()
         grads = [m.grad for m in masters if m.grad is not None]
         groups = self.strategy.grad_norm_groups()

@@ -1,0 +1,42 @@
+"""Ranks agree on the step before taking it (Note [agreement before each step]): a rank
+whose counters differ makes every rank raise meshspeed.DivergenceError naming it."""
+
+import pytest
+import torch
+
+import meshspeed
+from meshspeed.models.gpt import GPT, GPTConfig
+from meshspeed.testing import run_distributed
+
+
+def _diverged(stage):
+    from meshspeed import comm
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, max_seq_len=4, n_layer=1, n_head=2, d_model=8))
+    engine, *_ = meshspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage}})
+    x = torch.randint(0, 16, (1, 4))
+    engine.backward(engine(x, x))
+    engine.step()  # agreed
+    if comm.get_rank() == 1:
+        engine.global_steps += 1  # as if this rank had taken a step the others did not
+    engine.backward(engine(x, x))
+    try:
+        engine.step()
+    except meshspeed.DivergenceError as err:
+        return str(err), engine.global_steps
+    return None, engine.global_steps
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_disagreeing_counters_stop_every_rank(stage):
+    results = run_distributed(_diverged, world_size=3, args=(stage,))
+    for rank, (msg, steps) in enumerate(results):
+        assert msg is not None, f"rank {rank} went on"
+        assert steps == (2 if rank == 1 else 1)  # nobody stepped past the disagreement
+        assert msg.startswith("ranks disagree before optimizer step")
+        lines = [line.strip() for line in msg.splitlines()]
+        assert "rank 1: global_step 2, micro_step 2, skipped_steps 0   <-- differs" in lines
+        assert "rank 0: global_step 1, micro_step 2, skipped_steps 0" in lines
