@@ -13,6 +13,9 @@ debug.py        MESHSPEED_COMM_DEBUG=1 cross-rank check of collective order
 """
 
 from meshspeed.comm.collectives import (
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
     all_gather,
     all_gather_into_tensor,
     all_gather_object,
@@ -29,6 +32,7 @@ from meshspeed.comm.collectives import (
     recv,
     reduce_scatter_tensor,
     send,
+    set_timeout,
 )
 from meshspeed.comm.counter import COMM_OPS, CommCounter, ring_bytes
 from meshspeed.comm.debug import CollectiveMismatchError
@@ -38,7 +42,10 @@ __all__ = [
     "COMM_OPS",
     "CollectiveMismatchError",
     "CommCounter",
+    "CommError",
     "CommLogger",
+    "CommTimeoutError",
+    "PeerLostError",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
@@ -56,4 +63,5 @@ __all__ = [
     "reduce_scatter_tensor",
     "ring_bytes",
     "send",
+    "set_timeout",
 ]

@@ -15,6 +15,7 @@ The only module in meshspeed that calls torch.distributed collectives. Conventio
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,11 +57,90 @@ def get_world_size(group: Any = None) -> int:
     return dist.get_world_size(group)
 
 
+def set_timeout(seconds: float, group: Any = None) -> None:
+    """How long a collective on `group` (default: every group made from the default one
+    afterwards, and the default group itself) may wait before it fails with
+    CommTimeoutError. Gloo and NCCL enforce it; torch exposes the setter privately."""
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=float(seconds)), group)
+
+
 def barrier(group: Any = None) -> None:
     dist.barrier(group=group)
 
 
 # -- the one place every collective goes through -------------------------------------------------
+
+
+class CommError(RuntimeError):
+    """A collective failed: names the collective, its group, this rank's sequence number on
+    the group and the call site."""
+
+
+class CommTimeoutError(CommError):
+    """A collective did not complete within the process group's timeout (`comms_timeout`)."""
+
+
+class PeerLostError(CommError):
+    """A peer of the group closed its connection (it died or exited) during a collective."""
+
+
+_sequence: dict[int, int] = {}  # id(process group) -> collectives issued on it so far
+
+
+def _timeout_error(op: str, group: Any, seq: int, site: str, err: Exception) -> CommError | None:
+    """The backend's error as a CommError naming the collective, or None if it is another
+    kind of failure."""
+    text = str(err)
+    first = text.splitlines()[0][:200] if text else type(err).__name__
+    lowered = text.lower()
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    where = f"rank {dist.get_rank()}: {op} #{seq} on group {ranks} (called at {site})"
+    if "timed out" in lowered or "timeout" in lowered:
+        return CommTimeoutError(
+            f"{where} did not complete within the timeout: another rank of the group is not in "
+            f"this collective (stuck, or issued a different sequence of collectives; rerun with "
+            f"MESHSPEED_COMM_DEBUG=1 to compare them). {type(err).__name__}: {first}")
+    if "connection closed by peer" in lowered or "connection reset by peer" in lowered:
+        peer = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
+        who = f" ({peer.group(1)}:{peer.group(2)})" if peer else ""
+        return PeerLostError(
+            f"{where} failed: a peer{who} closed its connection; it died or exited, see its "
+            f"own error above. {type(err).__name__}: {first}")
+    return None
+
+
+def _caller() -> str:
+    import os
+    import sys
+
+    frame = sys._getframe(3)
+    here = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame = frame.f_back
+    return "?" if frame is None else f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+class _TimedWork:
+    """A work handle whose wait() turns a backend timeout into CommTimeoutError."""
+
+    def __init__(self, work: Any, op: str, group: Any, seq: int, site: str) -> None:
+        self._work, self._op, self._group, self._seq, self._site = work, op, group, seq, site
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        try:
+            return self._work.wait(*args, **kwargs)
+        except RuntimeError as err:
+            named = _timeout_error(self._op, self._group, self._seq, self._site, err)
+            if named is None:
+                raise
+            raise named from err
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 def _issue(
@@ -71,15 +151,24 @@ def _issue(
     tensor: torch.Tensor | None,
     same_shape: bool = True,
 ) -> Any:
-    """Run `launch()` (the torch.distributed call), reporting it to the counting hook."""
+    """Run `launch()` (the torch.distributed call), reporting it to the counting hook; a
+    timeout, now or at the returned work's wait(), is raised as CommTimeoutError."""
     if debug.enabled() and op not in ("send", "recv"):
         debug.check(op, group, tensor, same_shape)
-    if not counter.has_sinks():
-        return launch()
+    key = id(group if group is not None else dist.group.WORLD)
+    seq = _sequence.get(key, 0)
+    _sequence[key] = seq + 1
     start = time.perf_counter()
-    work = launch()
-    counter.record(op, nbytes, time.perf_counter() - start)
-    return work
+    try:
+        work = launch()
+    except RuntimeError as err:
+        named = _timeout_error(op, group, seq, _caller(), err)
+        if named is None:
+            raise
+        raise named from err
+    if counter.has_sinks():
+        counter.record(op, nbytes, time.perf_counter() - start)
+    return work if work is None else _TimedWork(work, op, group, seq, _caller())
 
 
 class _ThenWork:

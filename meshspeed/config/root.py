@@ -42,6 +42,7 @@ class MeshspeedConfig(StrictModel):
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     steps_per_print: PositiveInt = 10
+    comms_timeout: PositiveFloat = 300.0  # seconds a collective may wait: then CommTimeoutError
     wall_clock_breakdown: bool = False  # time forward/backward/step
     dump_state: bool = False  # print the resolved config after initialize
     seed: Int | None = None

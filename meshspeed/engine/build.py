@@ -70,6 +70,7 @@ def initialize(
     dp_size = comm.get_world_size(dp_group)
     cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_world())
     report_no_effect(cfg, rank=comm.get_rank())
+    comm.set_timeout(cfg.comms_timeout)  # a wait longer than this is a CommTimeoutError
     check_offload(cfg, client_optimizer=optimizer)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)

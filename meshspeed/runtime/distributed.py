@@ -117,7 +117,7 @@ def first_slurm_host(nodelist: str) -> str | None:
 
 def init_distributed(
     backend: str | None = None,
-    timeout: datetime.timedelta | float = datetime.timedelta(minutes=30),
+    timeout: datetime.timedelta | float = datetime.timedelta(minutes=5),
     *,
     dist_backend: str | None = None,
     init_method: str | None = None,
