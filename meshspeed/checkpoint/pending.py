@@ -9,7 +9,10 @@ collective. The outcome is reported at the next chance:
   a finished save's failure on the rank where it happened;
 * the next `save_checkpoint` / `load_checkpoint` first waits for the save in flight and
   raises its failure on every rank;
-* at interpreter exit the (non-daemon) thread is waited for, and a failure is logged.
+* `engine.destroy()` (or leaving `with engine:`) waits and raises it on every rank;
+* at interpreter exit the (non-daemon) thread is waited for; a failure is logged and the
+  process exits with status 1, so that a scheduler does not count a lost final
+  checkpoint as success.
 """
 
 from __future__ import annotations
@@ -94,6 +97,19 @@ def in_flight(engine) -> bool:
 
 @atexit.register
 def _wait_at_exit() -> None:
+    failed = False
     for save in list(_all):
         if save.join() is not None:
             log.error("%s", _failure(save))
+            failed = True
+    if failed:
+        # an exception raised here would be printed and ignored (exit status 0); the
+        # handlers registered before this one (logging's among them) are skipped by
+        # os._exit, so flush what they would have
+        import os
+        import sys
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

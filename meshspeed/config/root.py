@@ -43,6 +43,9 @@ class MeshspeedConfig(StrictModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     steps_per_print: PositiveInt = 10
     comms_timeout: PositiveFloat = 300.0  # seconds a collective may wait: then CommTimeoutError
+    # skip (on every rank) and report a step whose gradients hold NaN/inf, as fp16 does;
+    # one scalar all-reduce per step when gradients are sharded
+    check_finite: bool = False
     wall_clock_breakdown: bool = False  # time forward/backward/step
     dump_state: bool = False  # print the resolved config after initialize
     seed: Int | None = None

@@ -142,8 +142,12 @@ class MeshspeedEngine(nn.Module):
         masters = self.strategy.prepare_step()
         grads = [m.grad for m in masters if m.grad is not None]
         groups = self.strategy.grad_norm_groups()
+        check = self.config.fp16.enabled or self.config.check_finite
         overflow = unscale_and_check(grads, self.loss_scaler.scale, groups,
-                                     self.device) if self.config.fp16.enabled else False
+                                     self.device) if check else False
+        if overflow and not self.config.fp16.enabled and comm.get_rank() == 0:
+            log.warning("step %d: non-finite (NaN/inf) gradients on some rank; step skipped on "
+                        "every rank (check_finite)", self.global_steps)
         if overflow:
             self.skipped_steps += 1
             old_scale = self.loss_scaler.scale
@@ -156,7 +160,7 @@ class MeshspeedEngine(nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
-        if overflow and comm.get_rank() == 0:
+        if overflow and self.config.fp16.enabled and comm.get_rank() == 0:
             log.warning("step %d: fp16 gradient overflow on some rank; step skipped on every "
                         "rank, loss scale %g -> %g", self.global_steps, old_scale,
                         self.loss_scaler.scale)
@@ -237,6 +241,28 @@ class MeshspeedEngine(nn.Module):
         from meshspeed.checkpoint.engine_api import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename)
+
+    # -- end of training --------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Finish background work and release what it holds: waits for an asynchronous
+        checkpoint save (raising its failure on every rank: call on every rank), publishes
+        a delayed offload update, and closes offload swap files."""
+        from meshspeed.checkpoint.pending import wait_for_pending
+        from meshspeed.offload.optimizer import OffloadOptimizer
+
+        wait_for_pending(self)
+        self.strategy.flush()
+        if isinstance(self.optimizer, OffloadOptimizer):
+            self.optimizer.close()
+        self.strategy.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.destroy()
+        return False
 
     # -- nn.Module plumbing -----------------------------------------------------------------
     def train(self, mode: bool = True):
