@@ -43,3 +43,17 @@ def everywhere(fn: Callable[..., T], *args: Any, group: Any = None, **kwargs: An
         result, exc = None, err
     agree(exc, group)
     return result  # type: ignore[return-value]
+
+
+def same_everywhere(what: str, value: str, group: Any = None) -> None:
+    """Collective: raise on every rank unless every rank holds the same `value` (a save or
+    load directory): ranks that read or write different checkpoints would otherwise go on
+    with different states."""
+    values = comm.all_gather_object(value, group=group)
+    if len(set(values)) == 1:
+        return
+    common = max(values, key=values.count)
+    lines = "; ".join(f"rank {r}: {v}" + (" <-- differs" if v != common else "")
+                      for r, v in enumerate(values))
+    raise CheckpointError(f"ranks disagree on the {what} ({lines}); pass the same path on every "
+                          "rank, on a file system every rank sees")

@@ -10,13 +10,14 @@ state the same way, LR schedule, loss scale, counters, data position and RNG.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from meshspeed import comm
 from meshspeed.checkpoint import pending
-from meshspeed.checkpoint.agree import everywhere
+from meshspeed.checkpoint.agree import everywhere, same_everywhere
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
@@ -158,6 +159,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     tag, corrupted file, different model) are raised as one-line CheckpointErrors."""
     pending.wait_for_pending(engine)
     path, meta = everywhere(_open, load_dir, tag)
+    same_everywhere("checkpoint to load", os.path.abspath(path))
     slices = ordered_slices(engine)
     slices = everywhere(match_model, path, meta, slices, load_module_strict)
     store = SavedTensors(path, meta)

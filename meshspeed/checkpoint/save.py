@@ -15,7 +15,7 @@ from typing import Any
 
 from meshspeed import comm
 from meshspeed.checkpoint import pending
-from meshspeed.checkpoint.agree import agree, everywhere, one_line
+from meshspeed.checkpoint.agree import agree, everywhere, one_line, same_everywhere
 from meshspeed.checkpoint.atomic import remove_tree
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.paths import check_tag, default_tag
@@ -109,6 +109,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_l
     written in the background; the next save, load, or exit waits for them."""
     pending.wait_for_pending(engine)
     save_dir = os.fspath(save_dir)
+    same_everywhere("checkpoint save directory", os.path.abspath(save_dir))
     tag = everywhere(check_tag, tag if tag is not None else default_tag(engine.global_steps))
     _agree_on_tag(engine, tag)
     tag = comm.broadcast_object(tag, src=0)
