@@ -5,22 +5,16 @@ import os
 
 import torch
 
-import meshspeed
 from meshspeed.checkpoint.errors import CheckpointError
-from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.testing import run_distributed
+from meshspeed.testing.engines import small_engine, train_step
 
 
 def _save_and_load_apart(root):
     from meshspeed import comm
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=16, max_seq_len=4, n_layer=1, n_head=2, d_model=8))
-    engine, *_ = meshspeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-    x = torch.randint(0, 16, (1, 4))
-    engine.backward(engine(x, x))
-    engine.step()
+    engine = small_engine()
+    train_step(engine, torch.randint(0, 16, (1, 4)))
     mine = os.path.join(root, f"rank{comm.get_rank()}")
     out = {}
     try:

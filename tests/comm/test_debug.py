@@ -55,17 +55,11 @@ def test_diverged_ranks_raise_on_every_rank():
 
 def _only_rank0_saves(save_dir):
     """Issue 9 case 3: only rank 0 calls save_checkpoint under the debug mode."""
-    import meshspeed
-    from meshspeed.models.gpt import GPT, GPTConfig
+    from meshspeed.testing.engines import small_engine, train_step
 
     os.environ["MESHSPEED_COMM_DEBUG"] = "1"
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=16, max_seq_len=4, n_layer=1, n_head=2, d_model=8))
-    engine, *_ = meshspeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-    x = torch.randint(0, 16, (1, 4))
-    engine.backward(engine(x, x))
-    engine.step()
+    engine = small_engine()
+    train_step(engine, torch.randint(0, 16, (1, 4)))
     try:
         if comm.get_rank() == 0:
             engine.save_checkpoint(save_dir)

@@ -5,21 +5,16 @@ import pytest
 import torch
 
 import meshspeed
-from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.testing import run_distributed
+from meshspeed.testing.engines import small_engine, train_step
 
 
 def _diverged(stage):
     from meshspeed import comm
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=16, max_seq_len=4, n_layer=1, n_head=2, d_model=8))
-    engine, *_ = meshspeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage}})
+    engine = small_engine(stage)
     x = torch.randint(0, 16, (1, 4))
-    engine.backward(engine(x, x))
-    engine.step()  # agreed
+    train_step(engine, x)  # agreed
     if comm.get_rank() == 1:
         engine.global_steps += 1  # as if this rank had taken a step the others did not
     engine.backward(engine(x, x))

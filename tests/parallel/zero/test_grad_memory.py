@@ -14,10 +14,10 @@ import gc
 import pytest
 import torch
 
-import meshspeed
 from meshspeed import comm
 from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.testing import run_distributed
+from meshspeed.testing.engines import small_engine
 from meshspeed.testing.memtrack import StorageSampler
 
 # about 3.2M parameters in 8 blocks: several stage-2 units of Psi/8 each
@@ -58,15 +58,9 @@ def _reference() -> tuple[int, int]:
 
 def _strategy_held(stage: int) -> int:
     x, y = _batch()
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage},
-    })
+    engine = small_engine(stage, cfg=CFG)
     loss = engine(x, y)  # the first backward: the staging pool starts empty
-    return _held_during_backward(list(model.parameters()), lambda: engine.backward(loss))
+    return _held_during_backward(list(engine.module.parameters()), lambda: engine.backward(loss))
 
 
 def _measure(stage):

@@ -5,23 +5,16 @@ module is running, a second reduce-scatter in one backward). World 2, gloo."""
 import pytest
 import torch
 
-import meshspeed
-from meshspeed.models.gpt import GPT, GPTConfig
+from meshspeed.models.gpt import GPTConfig
 from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState
 from meshspeed.testing import run_distributed
+from meshspeed.testing.engines import small_engine
 
 CFG = GPTConfig(vocab_size=32, max_seq_len=8, n_layer=2, n_head=2, d_model=16)
 
 
 def _engine(stage):
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage},
-    })
-    return engine
+    return small_engine(stage, cfg=CFG)
 
 
 def _error(fn) -> str:
