@@ -1,0 +1,60 @@
+"""Short 2-rank training runs, back to back, counting the ones that do not exit cleanly
+(issue 9 case 7: `terminate called without an active exception`, SIGABRT after training
+succeeded, about 1 run in 40).
+
+    .venv/bin/python benchmarks/exit_soak.py --runs 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TRAIN = '''
+import torch, meshspeed
+from meshspeed.testing.engines import small_engine, train_step
+meshspeed.init_distributed()
+torch.set_num_threads(1)
+engine = small_engine(STAGE)
+for _ in range(3):
+    train_step(engine, torch.randint(0, 16, (1, 4)))
+print("TRAINED", flush=True)
+'''
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=100)
+    ap.add_argument("--stage", type=int, default=2)
+    args = ap.parse_args()
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    bad = []
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "train.py"
+        script.write_text(TRAIN.replace("STAGE", str(args.stage)))
+        for i in range(args.runs):
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                   "--master-port", str(_port()), str(script)], check=False,
+                                  capture_output=True, text=True, env=env, timeout=300)
+            out = proc.stdout + proc.stderr
+            if proc.returncode != 0 or out.count("TRAINED") != 2:
+                kind = "terminate called" if "terminate called" in out else f"exit {proc.returncode}"
+                bad.append((i, kind))
+                print(f"run {i}: {kind}", flush=True)
+    print(f"{args.runs - len(bad)} of {args.runs} runs exited cleanly; failures: {bad}")
+
+
+if __name__ == "__main__":
+    main()
