@@ -69,7 +69,7 @@ class Zero:
         self.groups = groups if isinstance(groups, UnitGroups) else UnitGroups(shard=groups)
         self.placement = placement or DevicePlacement()
         self._gather_built_under_init(module, persistence_threshold)
-        self._broadcast_stage3_params(module)
+        self._broadcast_stage3_params(module, persistence_threshold)
         device = next(module.parameters()).device
         self.pool = StagingPool(comm_dtype, device)
         if self.spec.shard_params:
@@ -90,9 +90,9 @@ class Zero:
         self.fetcher = None
         self.root_index: int | None = None
         if self.spec.shard_params:
-            self.fetcher = Fetcher([u for u in self.units if u.shard_params], prefetch_numel, max_live_numel)
-            self._fetch_index = {i: self.fetcher.units.index(u) for i, u in enumerate(self.units)
-                                 if u.shard_params}
+            sharded = [i for i, u in enumerate(self.units) if u.shard_params]
+            self.fetcher = Fetcher([self.units[i] for i in sharded], prefetch_numel, max_live_numel)
+            self._fetch_index = {i: k for k, i in enumerate(sharded)}  # unit -> fetcher index
             self._install_module_hooks(plan)
         self.placement.bind(self)
 
@@ -110,14 +110,19 @@ class Zero:
             if is_partitioned(p) and keep_whole:
                 gather_partitioned(p, self.groups.shard)
 
-    def _broadcast_stage3_params(self, module: nn.Module) -> None:
-        """Stage 3: replicas start from the first rank's values before they are sliced
-        (flat units broadcast their own buffer; zero.Init slices are already agreed)."""
+    def _broadcast_stage3_params(self, module: nn.Module, persistence_threshold: int) -> None:
+        """Stage 3: replicas start from the first rank's values before they are sliced.
+        Parameters that stay whole (at most `persistence_threshold` elements, the rule of
+        `module_units`) go into a flat unit, which broadcasts its own buffer; zero.Init
+        slices are already agreed."""
         if not self.spec.shard_params:
             return
         for p in module.parameters():
-            if not is_partitioned(p):
-                comm.broadcast(p.data, src=0, group=self.groups.shard)
+            if is_partitioned(p) or p.numel() <= persistence_threshold:
+                continue
+            comm.broadcast(p.data, src=0, group=self.groups.shard)
+            if self.groups.replicate is not None:
+                comm.broadcast(p.data, src=0, group=self.groups.replicate)
 
     # -- stage 3 module hooks -------------------------------------------------------------
     def _install_module_hooks(self, plan: GroupingPlan) -> None:
