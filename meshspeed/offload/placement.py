@@ -43,11 +43,12 @@ from torch import nn
 from meshspeed.offload.hostmem import host_empty
 from meshspeed.offload.optimizer import BackgroundStep
 from meshspeed.parallel.zero.flat import publish_all
+from meshspeed.parallel.zero.placement import DevicePlacement
 
 log = logging.getLogger("meshspeed")
 
 
-class OffloadPlacement:
+class OffloadPlacement(DevicePlacement):
     """Handed to `Zero` as its placement; `bind` runs once the units exist."""
 
     def __init__(self, *, device: torch.device, offload_optimizer: bool, offload_param: str,
@@ -154,9 +155,7 @@ class OffloadPlacement:
 
     def finish_step(self, zero) -> None:
         if self.runner is None:
-            publish_all(zero.units)
-            for unit in zero.units:
-                unit.drop_grads()
+            super().finish_step(zero)  # publish the masters, drop the gradients
             return
         self._published = False  # the update (if the engine started one) is still running
         for unit in zero.units:
