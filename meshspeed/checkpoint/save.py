@@ -16,13 +16,14 @@ from typing import Any
 from meshspeed import comm
 from meshspeed.checkpoint import pending
 from meshspeed.checkpoint.agree import agree, everywhere, one_line, same_everywhere
-from meshspeed.checkpoint.atomic import remove_tree
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.paths import check_tag, default_tag
 from meshspeed.checkpoint.snapshot import RankSnapshot, capture
 from meshspeed.checkpoint.writer import (
+    discard,
     prepare,
     publish,
+    settle,
     wait_for_markers,
     write_failure,
     write_rank,
@@ -70,7 +71,7 @@ def _write_now(tmp: str, save_dir: str, tag: str, snap: RankSnapshot, save_lates
         agree(error)
     except CheckpointError:
         if snap.rank == 0:
-            remove_tree(tmp)
+            discard(tmp)
         raise
     error = None
     if snap.rank == 0:
@@ -79,7 +80,7 @@ def _write_now(tmp: str, save_dir: str, tag: str, snap: RankSnapshot, save_lates
             publish(tmp, save_dir, tag, snap.meta, markers, save_latest)
         except Exception as err:  # noqa: BLE001
             error = err
-            remove_tree(tmp)
+            discard(tmp)
     agree(error)  # also: no rank returns before the checkpoint is visible
     return os.path.join(save_dir, tag)
 
@@ -91,13 +92,17 @@ def _background_job(tmp: str, save_dir: str, tag: str, snap: RankSnapshot, world
             write_rank(tmp, snap)
         except BaseException as err:
             write_failure(tmp, snap.rank, one_line(err))
+            if snap.rank == 0:  # the others may still be writing into tmp
+                settle(tmp, world, ASYNC_PUBLISH_TIMEOUT_S)
+                discard(tmp)
             raise
         if snap.rank == 0:
             try:
                 markers = wait_for_markers(tmp, world, ASYNC_PUBLISH_TIMEOUT_S)
                 publish(tmp, save_dir, tag, snap.meta, markers, save_latest)
             except BaseException:
-                remove_tree(tmp)
+                settle(tmp, world, ASYNC_PUBLISH_TIMEOUT_S)
+                discard(tmp)
                 raise
     return job
 
@@ -124,7 +129,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_l
         snap = everywhere(capture, engine, tag, client_state, copy=async_save)
     except CheckpointError:
         if comm.get_rank() == 0:
-            remove_tree(tmp)
+            discard(tmp)
         raise
     if async_save:
         pending.start(engine, tag, _background_job(tmp, save_dir, tag, snap,

@@ -13,6 +13,7 @@ serves asynchronous saves, whose background threads must not call collectives.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import secrets
 import time
@@ -30,6 +31,8 @@ from meshspeed.checkpoint.paths import (
 )
 from meshspeed.checkpoint.snapshot import RankSnapshot
 from meshspeed.checkpoint.tensorfile import write_tensors
+
+log = logging.getLogger("meshspeed")
 
 
 def _test_pause(point: str) -> None:
@@ -89,6 +92,26 @@ def wait_for_markers(tmp: str, world: int, timeout: float) -> list[dict]:
                                   f"{timeout:.0f} s; the checkpoint was not published")
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+def settle(tmp: str, world: int, timeout: float) -> None:
+    """Poll until every rank has left a marker or a failure marker in `tmp` (or `timeout`
+    passed): after a failure, rank 0 waits for the others to stop writing before it
+    removes the directory under them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(tmp, rank_marker(r)))
+               or os.path.exists(os.path.join(tmp, rank_failure(r))) for r in range(world)):
+            return
+        time.sleep(0.05)
+
+
+def discard(tmp: str) -> None:
+    """Remove the temporary directory of a failed save; if that fails too, say where it is."""
+    remove_tree(tmp)
+    if os.path.exists(tmp):
+        log.warning("meshspeed: could not remove %s, left by a failed checkpoint save; it is not "
+                    "a checkpoint (load never reads it) and the next save of this tag removes it", tmp)
 
 
 def publish(tmp: str, save_dir: str, tag: str, meta: dict, markers: list[dict],

@@ -6,21 +6,17 @@ import sys
 import torch
 
 import meshspeed
-from meshspeed.checkpoint import pending
+from meshspeed.checkpoint import tensorfile
 from meshspeed.models.gpt import GPT, GPTConfig
 
 
-def _failing_start(start):
-    def patched(engine, label, job):
-        def full_disk():
-            raise OSError(28, "No space left on device")
-        start(engine, label, full_disk)
-    return patched
+def _full_disk(f, data):
+    raise OSError(28, "No space left on device")
 
 
 if __name__ == "__main__":
     save_dir, mode = sys.argv[1], sys.argv[2]
-    pending.start = _failing_start(pending.start)
+    tensorfile._write_chunk = _full_disk  # the disk fills while the thread writes
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=16, max_seq_len=4, n_layer=1, n_head=2, d_model=8))
     engine, *_ = meshspeed.initialize(model=model, config={
