@@ -20,9 +20,11 @@ import torch, meshspeed
 from meshspeed.testing.engines import small_engine, train_step
 meshspeed.init_distributed()
 torch.set_num_threads(1)
-engine = small_engine(STAGE)
+engine = small_engine(STAGE, **EXTRA)
 for _ in range(3):
     train_step(engine, torch.randint(0, 16, (1, 4)))
+if SAVE:
+    engine.save_checkpoint(SAVE_DIR)  # async with --save async: the exit waits for it
 print("TRAINED", flush=True)
 '''
 
@@ -37,13 +39,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--save", choices=["none", "sync", "async"], default="none",
+                    help="save a checkpoint at the end of each run (the path where the abort was seen)")
     args = ap.parse_args()
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
     bad = []
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"
-        script.write_text(TRAIN.replace("STAGE", str(args.stage)))
+        extra = {"checkpoint": {"async_save": True}} if args.save == "async" else {}
+        script.write_text(TRAIN.replace("STAGE", str(args.stage)).replace("EXTRA", repr(extra))
+                          .replace("SAVE_DIR", repr(str(Path(tmp) / "ckpt")))
+                          .replace("SAVE", str(args.save != "none")))
         for i in range(args.runs):
             proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                    "--master-port", str(_port()), str(script)], check=False,
@@ -52,7 +59,7 @@ def main() -> None:
             if proc.returncode != 0 or out.count("TRAINED") != 2:
                 kind = "terminate called" if "terminate called" in out else f"exit {proc.returncode}"
                 bad.append((i, kind))
-                print(f"run {i}: {kind}", flush=True)
+                print(f"run {i}: {kind}\n" + out[-3000:], flush=True)
     print(f"{args.runs - len(bad)} of {args.runs} runs exited cleanly; failures: {bad}")
 
 

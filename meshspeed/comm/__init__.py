@@ -10,6 +10,8 @@ collectives.py  free functions over an explicit process group
 counter.py      the single counting hook and CommCounter (Note [ring bytes])
 logger.py       CommLogger for the `comms_logger` config block
 debug.py        MESHSPEED_COMM_DEBUG=1 cross-rank check of collective order
+sequence.py     per-group sequence numbers and the digest the step agreement compares
+rollcall.py     who is where, through the store, when a collective fails
 """
 
 from meshspeed.comm.collectives import (
@@ -26,6 +28,7 @@ from meshspeed.comm.collectives import (
     broadcast_object,
     get_rank,
     get_world_size,
+    group_key,
     irecv,
     is_initialized,
     isend,
@@ -56,6 +59,7 @@ __all__ = [
     "broadcast_object",
     "get_rank",
     "get_world_size",
+    "group_key",
     "irecv",
     "is_initialized",
     "isend",

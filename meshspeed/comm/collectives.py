@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshspeed.comm import counter, debug
+from meshspeed.comm import counter, debug, rollcall, sequence
 from meshspeed.comm.counter import ring_bytes
 
 ReduceOpLike = str | dist.ReduceOp
@@ -57,6 +57,11 @@ def get_world_size(group: Any = None) -> int:
     return dist.get_world_size(group)
 
 
+def group_key(group: Any = None) -> int:
+    """The key of `group` in per-group bookkeeping (None and WORLD are the same group)."""
+    return id(group if group is not None else dist.group.WORLD)
+
+
 def set_timeout(seconds: float, group: Any = None) -> None:
     """How long a collective on `group` (default: every group made from the default one
     afterwards, and the default group itself) may wait before it fails with
@@ -88,9 +93,6 @@ class PeerLostError(CommError):
     """A peer of the group closed its connection (it died or exited) during a collective."""
 
 
-_sequence: dict[int, int] = {}  # id(process group) -> collectives issued on it so far
-
-
 def _timeout_error(op: str, group: Any, seq: int, site: str, err: Exception) -> CommError | None:
     """The backend's error as a CommError naming the collective, or None if it is another
     kind of failure."""
@@ -100,41 +102,34 @@ def _timeout_error(op: str, group: Any, seq: int, site: str, err: Exception) -> 
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     where = f"rank {dist.get_rank()}: {op} #{seq} on group {ranks} (called at {site})"
     if "timed out" in lowered or "timeout" in lowered:
-        return CommTimeoutError(
+        kind, says = CommTimeoutError, (
             f"{where} did not complete within the timeout: another rank of the group is not in "
             f"this collective (stuck, or issued a different sequence of collectives; rerun with "
             f"MESHSPEED_COMM_DEBUG=1 to compare them). {type(err).__name__}: {first}")
-    if "connection closed by peer" in lowered or "connection reset by peer" in lowered:
+    elif "connection closed by peer" in lowered or "connection reset by peer" in lowered:
         peer = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
         who = f" ({peer.group(1)}:{peer.group(2)})" if peer else ""
-        return PeerLostError(
+        kind, says = PeerLostError, (
             f"{where} failed: a peer{who} closed its connection; it died or exited, see its "
             f"own error above. {type(err).__name__}: {first}")
-    return None
-
-
-def _caller() -> str:
-    import os
-    import sys
-
-    frame = sys._getframe(3)
-    here = os.path.dirname(os.path.abspath(__file__))
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
-        frame = frame.f_back
-    return "?" if frame is None else f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}"
+    else:
+        return None
+    roll = rollcall.report(op, ranks, seq, site)  # Note [roll call]
+    return kind(says + ("\n" + roll if roll else ""))
 
 
 class _TimedWork:
     """A work handle whose wait() turns a backend timeout into CommTimeoutError."""
 
-    def __init__(self, work: Any, op: str, group: Any, seq: int, site: str) -> None:
-        self._work, self._op, self._group, self._seq, self._site = work, op, group, seq, site
+    def __init__(self, work: Any, op: str, group: Any, seq: int, where: tuple[str, int]) -> None:
+        self._work, self._op, self._group, self._seq, self._where = work, op, group, seq, where
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         try:
             return self._work.wait(*args, **kwargs)
         except RuntimeError as err:
-            named = _timeout_error(self._op, self._group, self._seq, self._site, err)
+            named = _timeout_error(self._op, self._group, self._seq,
+                                   sequence.format_location(self._where), err)
             if named is None:
                 raise
             raise named from err
@@ -155,20 +150,18 @@ def _issue(
     timeout, now or at the returned work's wait(), is raised as CommTimeoutError."""
     if debug.enabled() and op not in ("send", "recv"):
         debug.check(op, group, tensor, same_shape)
-    key = id(group if group is not None else dist.group.WORLD)
-    seq = _sequence.get(key, 0)
-    _sequence[key] = seq + 1
+    seq, where = sequence.record(op, group, tensor, same_shape)
     start = time.perf_counter()
     try:
         work = launch()
     except RuntimeError as err:
-        named = _timeout_error(op, group, seq, _caller(), err)
+        named = _timeout_error(op, group, seq, sequence.format_location(where), err)
         if named is None:
             raise
         raise named from err
     if counter.has_sinks():
         counter.record(op, nbytes, time.perf_counter() - start)
-    return work if work is None else _TimedWork(work, op, group, seq, _caller())
+    return work if work is None else _TimedWork(work, op, group, seq, where)
 
 
 class _ThenWork:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshspeed.comm import sequence
+
 ENV_VAR = "MESHSPEED_COMM_DEBUG"
 
 _call_numbers: dict[int, int] = {}  # id(process group) -> collectives checked so far
@@ -32,19 +34,6 @@ def enabled() -> bool:
 
 def reset_for_tests() -> None:
     _call_numbers.clear()
-
-
-def _call_site() -> str:
-    """file:line of the first caller outside meshspeed/comm (who issued the collective)."""
-    import sys
-
-    frame = sys._getframe(2)
-    here = os.path.dirname(os.path.abspath(__file__))
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    return f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def _is_fingerprint(fp: Any) -> bool:
@@ -67,7 +56,7 @@ def check(op: str, group: Any, tensor: torch.Tensor | None, same_shape: bool = T
     _call_numbers[id(pg)] = number + 1
     shape = tuple(tensor.shape) if tensor is not None and same_shape else None
     dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
-    mine = (number, op, shape, dtype, _call_site())
+    mine = (number, op, shape, dtype, sequence.format_location(sequence.call_location()))
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     try:
         dist.all_gather_object(everyone, mine, group=pg)

@@ -5,11 +5,13 @@ Ranks that disagree on the step they are taking (one skipped `engine.step()`, or
 micro-step more) would otherwise go on silently: data-parallel replicas drift apart, a
 sharded optimizer steps on gradients of different steps. Before each optimizer step the
 engine all-reduces one small int64 vector over the data-parallel group: the counters
-(global step, micro step, skipped steps) and their negations, with MAX, which gives every
-rank the largest and the smallest value of each counter in one collective (64 bytes at
-three counters; measured cost in docs/benchmarks.md). Only when they differ does it pay
-for an object all-gather to learn which rank holds what, and every rank raises the same
-`DivergenceError`.
+(global step, micro step, skipped steps), the number and the digest of the collectives
+the rank issued on the group since the previous agreement (Note [collective digest] in
+comm/sequence.py), and their negations, with MAX, which gives every rank the largest and
+the smallest value of each in one collective (80 bytes; measured cost in
+docs/benchmarks.md). Only when they differ does it pay for an object all-gather to learn
+which rank holds what (the counters, or the first collective where the ranks part), and
+every rank raises the same `DivergenceError`.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ from __future__ import annotations
 import torch
 
 from meshspeed import comm
+from meshspeed.comm import sequence
 
 STEP_COUNTERS = ("global_step", "micro_step", "skipped_steps")
+SEQUENCE_COUNTERS = ("collectives", "collective_digest")  # Note [collective digest]
 
 
 def step_agreement_bytes(world: int) -> int:
     """Ring bytes of the agreement all-reduce before each optimizer step (CommCounter's
-    accounting: 2 (N-1)/N of the 2 x len(STEP_COUNTERS) int64 values)."""
-    return round(2 * (world - 1) / world * 2 * len(STEP_COUNTERS) * 8)
+    accounting: 2 (N-1)/N of the 2 x (step + sequence counters) int64 values)."""
+    return round(2 * (world - 1) / world * 2 * (len(STEP_COUNTERS) + len(SEQUENCE_COUNTERS)) * 8)
 
 
 class DivergenceError(RuntimeError):
@@ -32,19 +36,63 @@ class DivergenceError(RuntimeError):
 
 
 def agree(what: str, counters: dict[str, int], group=None, device: torch.device | None = None) -> None:
-    """Raise DivergenceError on every rank of `group` unless all hold the same `counters`."""
+    """Raise DivergenceError on every rank of `group` unless all hold the same `counters`
+    and issued the same group collectives since the previous agreement."""
     if not comm.is_initialized() or comm.get_world_size(group) == 1:
         return
-    values = torch.tensor(list(counters.values()), dtype=torch.int64, device=device)
+    count, digest, recent = sequence.take_window(comm.group_key(group))
+    values = torch.tensor([*counters.values(), count, digest], dtype=torch.int64, device=device)
     both = torch.cat([values, -values])
     comm.all_reduce(both, group=group, op="max")
+    sequence.take_window(comm.group_key(group))  # the agreement itself opens the next window
     n = len(values)
     if torch.equal(both[:n], -both[n:]):
         return
-    everyone = comm.all_gather_object(dict(counters), group=group)
-    common = max(everyone, key=everyone.count)
+    everyone = comm.all_gather_object((dict(counters), count, digest, recent), group=group)
+    ranks = _group_ranks(group)
+    raise DivergenceError(_report(what, everyone, ranks))
+
+
+def _group_ranks(group) -> list[int]:
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _report(what: str, everyone: list, ranks: list[int]) -> str:
+    states = [got for got, *_ in everyone]
+    common = max(states, key=states.count)
     lines = [f"  rank {rank}: " + ", ".join(f"{k} {v}" for k, v in got.items())
-             + ("   <-- differs" if got != common else "") for rank, got in enumerate(everyone)]
-    raise DivergenceError(
-        f"ranks disagree before {what} (a rank skipped engine.step(), or ran a different number "
-        f"of micro-steps); every rank stops:\n" + "\n".join(lines))
+             + ("   <-- differs" if got != common else "") for rank, got in zip(ranks, states)]
+    if all(got == common for got in states):
+        head = (f"ranks issued different collectives since the previous step, before {what} "
+                f"(a rank took another code path); every rank stops:")
+        lines += _first_difference(everyone, ranks)
+    else:
+        head = (f"ranks disagree before {what} (a rank skipped engine.step(), or ran a different "
+                f"number of micro-steps); every rank stops:")
+    return head + "\n" + "\n".join(lines)
+
+
+def _first_difference(everyone: list, ranks: list[int]) -> list[str]:
+    """Lines naming, per rank, the first collective of the window where the ranks part."""
+    from meshspeed.comm.sequence import format_location
+
+    counts = [count for _, count, _, _ in everyone]
+    calls = [recent for *_, recent in everyone]
+    longest = max(len(c) for c in calls)
+    for i in range(longest):
+        shapes = [c[i][1:4] if i < len(c) else None for c in calls]
+        if len(set(shapes)) > 1:
+            break
+    else:
+        return [f"  collectives since the previous step: {dict(zip(ranks, counts))}"]
+    lines = [f"  collectives since the previous step: {dict(zip(ranks, counts))}; the first that differs:"]
+    for rank, c in zip(ranks, calls):
+        if i < len(c):
+            seq, op, numel, dtype, where = c[i]
+            lines.append(f"    rank {rank}: #{seq} {op} of {numel if numel >= 0 else '?'} {dtype} "
+                         f"at {format_location(where)}")
+        else:
+            lines.append(f"    rank {rank}: none (it issued {len(c)} in this window)")
+    return lines

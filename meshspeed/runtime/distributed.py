@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from meshspeed.comm import rollcall, sequence
 from meshspeed.runtime.accelerator import Accelerator, get_accelerator
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ def init_distributed(
                             world_size=env.world_size)
     global _launch_env
     _launch_env = env
+    rollcall.introduce()
     atexit.register(_shutdown)
     if verbose and env.rank == 0:
         logger.info("meshspeed: %s process group, %s", backend, env.describe())
@@ -199,6 +201,7 @@ def _shutdown() -> None:
     with gloo's threads still alive can abort the process ("terminate called without an
     active exception") after a run that otherwise succeeded."""
     if dist.is_initialized():
+        rollcall.post_exit(sequence.issued_by_group())  # Note [roll call]: peers still waiting learn why
         try:
             if dist.get_backend() == "gloo" and getattr(sys, "last_type", None) is None:
                 # tear down together: a peer that vanished mid-teardown can abort gloo's

@@ -101,7 +101,7 @@ def _prepare_call(env: dict[str, str], base_env: dict[str, str], sys_path: list[
     os.environ.update(base_env)  # ... with the torchrun variables on top
     sys.path[:] = list(sys_path) + [p for p in sys.path if p not in sys_path]
     _reset_torch_state()
-    for name in ("meshspeed.comm.counter", "meshspeed.comm.debug"):
+    for name in ("meshspeed.comm.counter", "meshspeed.comm.debug", "meshspeed.comm.sequence"):
         module = sys.modules.get(name)
         if module is not None:
             module.reset_for_tests()

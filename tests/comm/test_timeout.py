@@ -1,7 +1,8 @@
 """No wait is unbounded: a collective that a peer never joins fails after the timeout,
 and one whose peer died fails at once, each with one line naming the collective, its
 sequence number on the group and the call site (issue 9 cases 2 and 8; before: a raw gloo
-"Timed out waiting ... for send operation" / "Connection reset by peer")."""
+"Timed out waiting ... for send operation" / "Connection reset by peer"), and the peer
+that did not come is named, alive or dead."""
 
 import socket
 import subprocess
@@ -25,14 +26,17 @@ def _run(tmp_path, linger: float) -> str:
     return (tmp_path / "rank0.txt").read_text()
 
 
-@pytest.mark.parametrize("linger, kind, says", [
-    (8.0, "CommTimeoutError", "did not complete within the timeout"),
-    (0.0, "PeerLostError", "closed its connection; it died or exited"),
+@pytest.mark.parametrize("linger, kind, says, roll", [
+    (12.0, "CommTimeoutError", "did not complete within the timeout", "is alive: it is still computing"),
+    (0.0, "PeerLostError", "closed its connection; it died or exited", "rank 1 died"),
 ])
-def test_a_collective_a_peer_skips_fails_with_a_named_error(tmp_path, linger, kind, says):
+def test_a_collective_a_peer_skips_fails_with_a_named_error(tmp_path, linger, kind, says, roll):
     msg = _run(tmp_path, linger)
     assert msg.startswith(f"{kind}: rank 0: all_reduce #1 on group [0, 1] (called at "), msg
     assert "timeout_script.py:" in msg and says in msg, msg
+    # Note [roll call]: the missing peer is named, with what became of it
+    assert "ranks that have not arrived in all_reduce #1: [1]" in msg, msg
+    assert roll in msg, msg
 
 
 def test_comms_timeout_is_a_config_key_with_minutes_by_default():

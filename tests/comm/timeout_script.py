@@ -1,5 +1,5 @@
 """Run by test_timeout.py in a fresh process tree: rank 1 skips a collective that rank 0
-waits in, staying alive for `linger` seconds (past the 3 s timeout) or exiting at once;
+waits in, staying alive for `linger` seconds (past the 3 s timeout and the 5 s roll call) or exiting at once;
 rank 0 must fail with a CommError that names the collective."""
 
 import os

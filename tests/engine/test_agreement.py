@@ -35,3 +35,36 @@ def test_disagreeing_counters_stop_every_rank(stage):
         lines = [line.strip() for line in msg.splitlines()]
         assert "rank 1: global_step 2, micro_step 2, skipped_steps 0   <-- differs" in lines
         assert "rank 0: global_step 1, micro_step 2, skipped_steps 0" in lines
+
+
+def _other_code_path(stage):
+    from meshspeed import comm
+
+    engine = small_engine(stage)
+    x = torch.randint(0, 16, (1, 4))
+    train_step(engine, x)
+    # same bytes, so gloo pairs them and returns garbage: only the digest can tell
+    if comm.get_rank() == 1:
+        comm.all_reduce(torch.ones(4, dtype=torch.int32))
+    else:
+        comm.all_reduce(torch.ones(4, dtype=torch.float32))
+    engine.backward(engine(x, x))
+    try:
+        engine.step()
+    except meshspeed.DivergenceError as err:
+        return str(err), engine.global_steps
+    return None, engine.global_steps
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_different_collective_sequence_stops_every_rank(stage):
+    results = run_distributed(_other_code_path, world_size=2, args=(stage,))
+    for rank, (msg, steps) in enumerate(results):
+        assert msg is not None, f"rank {rank} went on after a different collective"
+        assert steps == 1
+        assert msg.startswith("ranks issued different collectives since the previous step"), msg
+        lines = [line.strip() for line in msg.splitlines()]
+        assert any(line.startswith("rank 1: #") and "all_reduce of 4 int32 at " in line and
+                   "test_agreement.py:" in line for line in lines), msg
+        assert any(line.startswith("rank 0: #") and "all_reduce of 4 float32" in line for line in lines), msg
+

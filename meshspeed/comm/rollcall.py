@@ -1,0 +1,160 @@
+"""When a collective fails, find out where every rank of its group is.
+
+Note [roll call]
+A timeout or a closed connection tells a rank only that it is waiting; which peer is
+missing, and why, is known to the peers. On such a failure a rank posts where it is (op,
+sequence number, group, call site) under its rank in the rendezvous store, which does not
+depend on the broken group's connections, waits up to GRACE_S for its peers' records and
+reads them:
+
+* a peer waiting in the same collective (same group, same sequence number) has arrived;
+* a peer in another collective is named with that collective;
+* a peer that left posts when its process group is torn down (`post_exit`): it is named
+  as exited after its last call on the group;
+* a peer with no record did not answer: its host and pid, posted at start (`introduce`),
+  tell on this host whether the process still runs (computing, or waiting outside any
+  collective) or is gone (it died).
+
+Everything here is best effort and bounded: the store's timeout is lowered to STORE_S
+first, and any failure of the store leaves the report out rather than hiding the error
+being reported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+GRACE_S = 5.0  # how long a failing rank waits for its peers' records
+STORE_S = 3.0
+_PREFIX = "meshspeed/rollcall"
+
+
+def _store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    try:
+        store = distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or a backend without a store
+        return None
+    try:
+        store.set_timeout(datetime.timedelta(seconds=STORE_S))
+    except Exception:  # noqa: BLE001, S110
+        pass
+    return store
+
+
+def _key(kind: str, rank: int) -> str:
+    return f"{_PREFIX}/{kind}/{rank}"
+
+
+def introduce() -> None:
+    """Post this rank's host and pid (once per process group; cheap, at start)."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_key("who", dist.get_rank()),
+                  json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    except Exception:  # noqa: BLE001, S110 - best effort
+        pass
+
+
+def post_exit(issued: dict[str, int]) -> None:
+    """Post that this rank is leaving, with how many calls it issued on each group."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_key("at", dist.get_rank()), json.dumps({"state": "exited", "issued": issued}))
+    except Exception:  # noqa: BLE001, S110 - best effort
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")  # a zombie has exited; its parent has not reaped it
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _read(store: Any, key: str) -> dict | None:
+    try:
+        if store.check([key]):
+            return json.loads(store.get(key))
+    except Exception:  # noqa: BLE001, S110 - best effort
+        pass
+    return None
+
+
+def report(op: str, group_ranks: list[int], seq: int, site: str) -> str:
+    """Post where this rank waits, gather where its peers are; a few lines for the error
+    (empty when the store cannot be reached)."""
+    store = _store()
+    if store is None:
+        return ""
+    me = dist.get_rank()
+    group = ",".join(map(str, group_ranks))
+    mine = {"state": "waiting", "op": op, "seq": seq, "group": group, "site": site}
+    try:
+        store.set(_key("at", me), json.dumps(mine))
+    except Exception:  # noqa: BLE001 - the store is gone too (its host died)
+        return ""
+    peers = [r for r in group_ranks if r != me]
+    records: dict[int, dict] = {}
+    deadline = time.monotonic() + GRACE_S
+    while True:
+        for r in peers:
+            rec = _read(store, _key("at", r))
+            if rec is not None and (rec.get("state") == "exited" or rec.get("group") != group
+                                    or rec.get("seq") >= seq):
+                records[r] = rec
+        if len(records) == len(peers) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    lines, missing = [], []
+    for r in peers:
+        line, arrived = _describe(store, r, records.get(r), group, seq)
+        lines.append(f"  rank {r}: {line}")
+        if not arrived:
+            missing.append(r)
+    head = (f"ranks that have not arrived in {op} #{seq}: {missing}" if missing
+            else f"every rank of the group is waiting in {op} #{seq}")
+    return head + "\n" + "\n".join(lines)
+
+
+def _describe(store: Any, rank: int, rec: dict | None, group: str, seq: int) -> tuple[str, bool]:
+    """(what `rank` is doing, whether it has arrived in the collective)."""
+    if rec is not None and rec.get("state") == "exited":
+        last = rec.get("issued", {}).get(group)
+        after = "" if last is None else f" after {last} call(s) on this group (this rank is at call #{seq})"
+        return f"exited{after}: its process group was shut down, it left the loop early", False
+    if rec is not None and rec.get("group") == group and rec.get("seq") == seq:
+        return f"waiting in the same {rec['op']} #{seq} (called at {rec['site']})", True
+    if rec is not None:
+        return (f"waiting in {rec['op']} #{rec['seq']} on group [{rec['group']}] "
+                f"(called at {rec['site']})"), False
+    who = _read(store, _key("who", rank))
+    if who is None or who.get("host") != socket.gethostname():
+        where = "" if who is None else f" (process {who['pid']} on {who['host']})"
+        return f"did not answer within {GRACE_S:.0f} s{where}: it died, or is in no collective", False
+    if _alive(int(who["pid"])):
+        return (f"did not answer within {GRACE_S:.0f} s; its process {who['pid']} is alive: it is "
+                "still computing, or waits outside any collective"), False
+    return f"its process {who['pid']} is gone: rank {rank} died (see its own output)", False
