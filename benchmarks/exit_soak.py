@@ -43,7 +43,7 @@ def main() -> None:
                     help="save a checkpoint at the end of each run (the path where the abort was seen)")
     args = ap.parse_args()
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "PYTHONFAULTHANDLER": "1"}
     bad = []
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "train.py"

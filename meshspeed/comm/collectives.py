@@ -15,8 +15,11 @@ The only module in meshspeed that calls torch.distributed collectives. Conventio
 
 from __future__ import annotations
 
+import pickle
 import re
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,8 +126,12 @@ class _TimedWork:
 
     def __init__(self, work: Any, op: str, group: Any, seq: int, where: tuple[str, int]) -> None:
         self._work, self._op, self._group, self._seq, self._where = work, op, group, seq, where
+        self._waited = False
+        _unwaited.add(self)
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
+        self._waited = True
+        _unwaited.discard(self)
         try:
             return self._work.wait(*args, **kwargs)
         except RuntimeError as err:
@@ -138,6 +145,31 @@ class _TimedWork:
         return self._work.is_completed()
 
 
+# Note [the last collectives' tensors outlive their work]
+# Gloo runs a collective on a worker thread that drops its reference to the work, and so to
+# the work's tensors, a moment after it wakes the caller. If the caller has already dropped
+# its own references, the worker's is the last one and the worker frees a Python-owned
+# tensor, which needs the GIL; at interpreter exit the GIL is gone and the thread is torn
+# down mid-destructor, which aborts the process ("terminate called without an active
+# exception", issue 9 case 7: one short run in ~40 under load, seen after the last
+# checkpoint agreement). Keeping the tensors of the last few collectives referenced from
+# Python until later ones replace them moves every such free to the calling thread.
+_retained: deque = deque(maxlen=4)
+_unwaited: weakref.WeakSet = weakref.WeakSet()  # async works nobody has waited for yet
+
+
+def finish_outstanding() -> int:
+    """Wait for every asynchronous collective still running (before the process group is
+    torn down: a work that completes during interpreter exit aborts the process, Note [the
+    last collectives' tensors outlive their work]); returns how many there were. Called by
+    meshspeed's exit handler after the ranks' last barrier, so every peer has issued its
+    side; a failure here is left to the caller."""
+    pending = list(_unwaited)
+    for work in pending:
+        work.wait()
+    return len(pending)
+
+
 def _issue(
     op: str,
     nbytes: int,
@@ -145,13 +177,27 @@ def _issue(
     launch: Callable[[], Any],
     tensor: torch.Tensor | None,
     same_shape: bool = True,
+    retain: Any = None,
+    counted: bool = True,
 ) -> Any:
     """Run `launch()` (the torch.distributed call), reporting it to the counting hook; a
-    timeout, now or at the returned work's wait(), is raised as CommTimeoutError."""
+    timeout, now or at the returned work's wait(), is raised as CommTimeoutError.
+    `retain`: the call's other tensors (Note [the last collectives' tensors outlive their
+    work]); `counted=False` keeps metadata exchanges out of the counters and the digest."""
+    _retained.append((tensor, retain))
+    if not counted:
+        return _launch(op, group, launch, -1, ("?", 0))
     if debug.enabled() and op not in ("send", "recv"):
         debug.check(op, group, tensor, same_shape)
     seq, where = sequence.record(op, group, tensor, same_shape)
     start = time.perf_counter()
+    work = _launch(op, group, launch, seq, where)
+    if counter.has_sinks():
+        counter.record(op, nbytes, time.perf_counter() - start)
+    return work
+
+
+def _launch(op: str, group: Any, launch: Callable[[], Any], seq: int, where: tuple[str, int]) -> Any:
     try:
         work = launch()
     except RuntimeError as err:
@@ -159,8 +205,6 @@ def _issue(
         if named is None:
             raise
         raise named from err
-    if counter.has_sinks():
-        counter.record(op, nbytes, time.perf_counter() - start)
     return work if work is None else _TimedWork(work, op, group, seq, where)
 
 
@@ -249,6 +293,7 @@ def all_gather_into_tensor(
         group,
         lambda: _all_gather_single(output, input, group=group, async_op=async_op),
         input,
+        retain=output,
     )
 
 
@@ -264,6 +309,7 @@ def all_gather(
         group,
         lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op),
         tensor,
+        retain=tensor_list,
     )
 
 
@@ -283,6 +329,7 @@ def reduce_scatter_tensor(
         group,
         lambda: _reduce_scatter_single(output, input, op=torch_op, group=group, async_op=async_op),
         input,
+        retain=output,
     )
     return _average_after(work, output, group, divide)
 
@@ -320,6 +367,7 @@ def all_to_all_single(
         ),
         input,
         same_shape=not uneven,
+        retain=output,
     )
 
 
@@ -383,17 +431,53 @@ def irecv(tensor: torch.Tensor, src: int, group: Any = None) -> Any:
 
 
 # -- object collectives (small metadata; not counted) -------------------------------------------
+# Written here rather than taken from torch.distributed so that their temporary tensors go
+# through _issue too (Note [the last collectives' tensors outlive their work]). Objects
+# travel pickled between the ranks of one job.
+
+
+def _object_device(group: Any) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _exchange(op: str, group: Any, out: torch.Tensor, inp: torch.Tensor, src: int | None = None) -> None:
+    if op == "broadcast":
+        _issue(op, 0, group, lambda: dist.broadcast(out, _global(group, src), group=group), out,
+               counted=False)
+    else:
+        _issue(op, 0, group, lambda: _all_gather_single(out, inp, group=group), inp, retain=out,
+               counted=False)
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """[obj of rank 0, obj of rank 1, ...] over `group`; objects travel pickled."""
-    gathered: list[Any] = [None] * get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+    device, n = _object_device(group), get_world_size(group)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = torch.empty(n, dtype=torch.int64, device=device)
+    _exchange("all_gather", group, sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    everything = torch.empty(n * longest, dtype=torch.uint8, device=device)
+    _exchange("all_gather", group, everything, padded)
+    raw = everything.cpu().numpy().tobytes()
+    return [pickle.loads(raw[r * longest : r * longest + int(sizes[r])]) for r in range(n)]  # noqa: S301 - peers of this job
 
 
 def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
     """Return rank `src`'s `obj` (src is a rank within `group`) on every rank."""
-    box = [obj if get_rank(group) == src else None]
-    dist.broadcast_object_list(box, src=_global(group, src), group=group)
-    return box[0]
+    device = _object_device(group)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    data = None
+    if get_rank(group) == src:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size[0] = data.numel()
+    _exchange("broadcast", group, size, size, src)
+    if data is None:
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
+    _exchange("broadcast", group, data, data, src)
+    if get_rank(group) == src:
+        return obj
+    return pickle.loads(data.cpu().numpy().tobytes())  # noqa: S301 - peers of this job

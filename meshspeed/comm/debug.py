@@ -57,9 +57,10 @@ def check(op: str, group: Any, tensor: torch.Tensor | None, same_shape: bool = T
     shape = tuple(tensor.shape) if tensor is not None and same_shape else None
     dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
     mine = (number, op, shape, dtype, sequence.format_location(sequence.call_location()))
-    everyone: list[Any] = [None] * dist.get_world_size(pg)
+    from meshspeed.comm.collectives import all_gather_object  # collectives imports this module
+
     try:
-        dist.all_gather_object(everyone, mine, group=pg)
+        everyone = all_gather_object(mine, group=pg)
     except Exception as err:
         raise CollectiveMismatchError(
             f"rank {dist.get_rank()}: the collective fingerprint exchange before {op} at "

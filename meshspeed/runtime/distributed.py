@@ -208,9 +208,24 @@ def _shutdown() -> None:
                 # threads. Skipped after an uncaught exception (sys.last_type is set), so a
                 # failing rank exits at once; a peer that died makes this fail in 10 s.
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+                _quiesce()
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001, S110 - best effort at exit
             pass
+
+
+def _quiesce() -> None:
+    """Leave gloo's worker threads idle while the interpreter can still run their frees
+    (Note [the last collectives' tensors outlive their work] in comm/collectives.py):
+    destroy_process_group does not stop them while anything references the group, so
+    without this a work finishing during interpreter exit aborts the process."""
+    import gc
+
+    from meshspeed.comm import collectives
+
+    collectives.finish_outstanding()  # every peer passed the barrier: all sides are issued
+    dist.barrier()  # gloo's barrier waits for the works still in progress
+    gc.collect()  # free engine cycles now, not in the interpreter's last collection
 
 
 def describe_world() -> str:
