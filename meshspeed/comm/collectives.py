@@ -107,8 +107,9 @@ def _timeout_error(op: str, group: Any, seq: int, site: str, err: Exception) -> 
     if "timed out" in lowered or "timeout" in lowered:
         kind, says = CommTimeoutError, (
             f"{where} did not complete within the timeout: another rank of the group is not in "
-            f"this collective (stuck, or issued a different sequence of collectives; rerun with "
-            f"MESHSPEED_COMM_DEBUG=1 to compare them). {type(err).__name__}: {first}")
+            f"this collective (stuck, or issued a different sequence of collectives"
+            f"{'' if debug.enabled() else '; rerun with MESHSPEED_COMM_DEBUG=1 to compare them'}). "
+            f"{type(err).__name__}: {first}")
     elif "connection closed by peer" in lowered or "connection reset by peer" in lowered:
         peer = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
         who = f" ({peer.group(1)}:{peer.group(2)})" if peer else ""
@@ -185,8 +186,8 @@ def _issue(
     `retain`: the call's other tensors (Note [the last collectives' tensors outlive their
     work]); `counted=False` keeps metadata exchanges out of the counters and the digest."""
     _retained.append((tensor, retain))
-    if not counted:
-        return _launch(op, group, launch, -1, ("?", 0))
+    if not counted:  # named after the calls before it, for reports
+        return _launch(f"object {op}", group, launch, sequence.peek(group), sequence.call_location())
     if debug.enabled() and op not in ("send", "recv"):
         debug.check(op, group, tensor, same_shape)
     seq, where = sequence.record(op, group, tensor, same_shape)

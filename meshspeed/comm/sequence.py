@@ -107,6 +107,12 @@ def take_window(key: int) -> tuple[int, int, list[Any]]:
     return window
 
 
+def peek(group: Any) -> int:
+    """How many calls this rank has issued on `group` so far."""
+    history = _histories.get(id(group if group is not None else dist.group.WORLD))
+    return 0 if history is None else history.issued
+
+
 def issued_by_group() -> dict[str, int]:
     """{"0,1": calls issued on the group of global ranks 0 and 1, ...}"""
     return {h.ranks: h.issued for h in _histories.values()}
