@@ -20,7 +20,7 @@ from meshspeed.config.known_keys import ACCEPTED_UNUSED, unused_children
 @dataclass
 class CheckedKeys:
     data: dict[str, Any]  # the input with aliases renamed and accepted-unused keys removed
-    unused: list[str] = field(default_factory=list)  # dotted paths of accepted-unused keys
+    unused: dict[str, Any] = field(default_factory=dict)  # accepted-unused dotted path -> value
     problems: list[str] = field(default_factory=list)  # one line per bad key
 
 
@@ -73,7 +73,7 @@ def _walk(
         elif key in model.legacy_keys:
             out[key] = value  # consumed by the model's own before-validator
         elif key in unused_here:
-            result.unused.append(full)
+            result.unused[full] = value
         else:
             result.problems.append(_unknown(full, key, model, unused_here, root))
     return out

@@ -14,6 +14,7 @@ from meshspeed.config.batch import BATCH_KEYS, resolve_batch
 from meshspeed.config.errors import ConfigError, problems_from_validation_error
 from meshspeed.config.keys import check_keys
 from meshspeed.config.root import MeshspeedConfig
+from meshspeed.config.unbuilt import classify
 
 logger = logging.getLogger("meshspeed")
 
@@ -35,6 +36,8 @@ def load_config(
     raw = _read(config)
     checked = check_keys(raw, MeshspeedConfig)
     problems = list(checked.problems)
+    unbuilt = classify(checked.unused, raw)
+    problems.extend(unbuilt.problems)
 
     given = {k: checked.data.pop(k) for k in BATCH_KEYS if k in checked.data}
     triad: tuple[int, int, int] = (1, 1, 1)  # placeholder so other sections still get checked
@@ -51,11 +54,20 @@ def load_config(
 
     cfg._batch_given = frozenset(given)
     cfg._ignored_keys = tuple(checked.unused)
-    if checked.unused:
-        logger.warning(
-            "config keys accepted but not used by meshspeed yet: %s", ", ".join(checked.unused)
-        )
+    if _rank_zero():  # Note: once per job, not once per rank
+        if unbuilt.monitors:
+            logger.warning("config asks for monitors meshspeed does not have; they are off: %s",
+                           "; ".join(unbuilt.monitors))
+        if unbuilt.notes:
+            logger.info("config keys accepted but not used by meshspeed yet: %s",
+                        ", ".join(unbuilt.notes))
     return cfg
+
+
+def _rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _recheck(cfg: MeshspeedConfig, dp_world_size: int, dp_source: str) -> MeshspeedConfig:

@@ -7,6 +7,7 @@ step, accounting) and keeps the counters DeepSpeed users expect.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -20,6 +21,15 @@ from meshspeed.optim.clip import clip_by_norm_, global_grad_norm
 from meshspeed.optim.precision import unscale_and_check
 
 log = logging.getLogger("meshspeed")
+
+
+class CallableInt(int):
+    """An int that returns itself when called: DeepSpeed's engine has methods
+    (`engine.gradient_accumulation_steps()`) where meshspeed's code and other libraries
+    read attributes; this value serves both spellings."""
+
+    def __call__(self) -> int:
+        return int(self)
 
 
 class MeshspeedEngine(nn.Module):
@@ -47,11 +57,16 @@ class MeshspeedEngine(nn.Module):
         self._micro_started = False
         self._backward_done = False  # a backward ran since the last step()
         self._last_loss: torch.Tensor | None = None
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._no_sync = False  # inside engine.no_sync()
+        self._step_applied = False
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------------
     @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+    def gradient_accumulation_steps(self) -> CallableInt:
+        """An int; DeepSpeed scripts call it (`engine.gradient_accumulation_steps()`), others
+        read it: both work (CallableInt)."""
+        return CallableInt(self.config.gradient_accumulation_steps)
 
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
@@ -60,7 +75,71 @@ class MeshspeedEngine(nn.Module):
         return self.config.train_micro_batch_size_per_gpu
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Take over the accumulation boundary (DeepSpeed's manual style): with False, any
+        number of forward/backward passes accumulate without step(); set True before the
+        last backward, then call step() once."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally without reducing them; the
+        first backward after the block reduces everything. Not with ZeRO stage 2 or 3
+        (they shard gradients as they are produced), and step() inside is an error."""
+        if self.config.zero_stage >= 2:
+            raise RuntimeError(f"engine.no_sync() cannot be used with ZeRO stage {self.config.zero_stage}: "
+                               "stages 2 and 3 reduce-scatter each gradient as it is produced; use "
+                               "gradient_accumulation_steps instead, or ZeRO stage 0 or 1")
+        if self._no_sync:
+            raise RuntimeError("engine.no_sync() blocks cannot be nested")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() changed the parameters (False between accumulation
+        boundaries and for a skipped overflow step)."""
+        return self._step_applied
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.config.zero_stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.config.zero_stage >= 3
+
+    def zero_offload_optimizer(self) -> bool:
+        o = self.config.zero_optimization.offload_optimizer
+        return o is not None and o.device != "none"
+
+    def zero_offload_param(self) -> bool:
+        o = self.config.zero_optimization.offload_param
+        return self.config.zero_stage == 3 and o is not None and o.device != "none"
+
+    @property
+    def global_rank(self) -> int:
+        return comm.get_rank() if comm.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return comm.get_world_size() if comm.is_initialized() else 1
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -69,8 +148,9 @@ class MeshspeedEngine(nn.Module):
         return self._grad_norm
 
     @property
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_stage
+    def zero_optimization_stage(self) -> CallableInt:
+        """An int that can also be called, as DeepSpeed scripts do (CallableInt)."""
+        return CallableInt(self.config.zero_stage)
 
     def zero_optimization(self) -> bool:
         return self.config.zero_stage > 0
@@ -90,22 +170,28 @@ class MeshspeedEngine(nn.Module):
         return comm.get_world_size(self.dp_group)
 
     # -- the loop ---------------------------------------------------------------------------
+    def _reduces_now(self) -> bool:
+        """Whether the coming backward reduces gradients (the boundary, outside no_sync)."""
+        return self.is_gradient_accumulation_boundary() and not self._no_sync
+
     def forward(self, *inputs, **kwargs):
         if not self._micro_started:
-            self.strategy.begin_micro_step(self.is_gradient_accumulation_boundary())
+            self.strategy.begin_micro_step(self._reduces_now())
             self._micro_started = True
         return self.module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate `loss`, averaged over accumulation steps and scaled for fp16."""
-        if self._backward_done:
+        if self._backward_done and self._boundary_override is None and not self._no_sync:
             raise RuntimeError(
                 "engine.backward() called twice without engine.step() in between; call "
                 "engine.step() after every backward: it counts the micro-step and applies the "
                 f"optimizer only at the accumulation boundary (every {self.gradient_accumulation_steps} "
                 "micro-steps here)")
-        if not self._micro_started:  # forward ran outside the engine (engine.module(...))
-            self.strategy.begin_micro_step(self.is_gradient_accumulation_boundary())
+        if self._no_sync and self._micro_started:  # forward counted it a boundary: it is not
+            self.strategy.begin_micro_step(False)
+        elif not self._micro_started:  # forward ran outside the engine (engine.module(...))
+            self.strategy.begin_micro_step(self._reduces_now())
         scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             scaled = scaled / self.gradient_accumulation_steps
@@ -113,7 +199,7 @@ class MeshspeedEngine(nn.Module):
             scaled = scaled * self.loss_scaler.scale
         scaled.backward(retain_graph=retain_graph)
         self.strategy.finish_backward()
-        self._backward_done = True
+        self._backward_done = self._backward_done or not self._no_sync  # no_sync's are carried on
         self._micro_started = False
         self._last_loss = loss.detach()
         return loss
@@ -124,6 +210,10 @@ class MeshspeedEngine(nn.Module):
             from meshspeed.checkpoint.engine_api import raise_pending_errors
 
             raise_pending_errors(self)
+        if self._no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the block, run the "
+                               "last backward outside it (that one reduces), then step()")
+        self._step_applied = False
         if not self._backward_done:
             raise RuntimeError(
                 "engine.step() called before engine.backward(): each micro-step is "
@@ -157,6 +247,7 @@ class MeshspeedEngine(nn.Module):
                 clip_by_norm_(grads, self.config.gradient_clipping, norm)
                 self._grad_norm = float(norm)
             self.optimizer.step()
+            self._step_applied = True
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)

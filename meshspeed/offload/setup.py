@@ -30,7 +30,9 @@ _OP = "zero_optimization.offload_param"
 def _devices(cfg) -> tuple[str, str]:
     z = cfg.zero_optimization
     oo = z.offload_optimizer.device if z.offload_optimizer is not None else "none"
-    op = z.offload_param.device if z.offload_param is not None else "none"
+    # below stage 3 parameters are whole on every rank: offload_param has no effect there,
+    # as in DeepSpeed (check_offload says so once)
+    op = z.offload_param.device if z.offload_param is not None and z.stage == 3 else "none"
     return oo, op
 
 
@@ -43,6 +45,12 @@ def check_offload(cfg, client_optimizer=None) -> None:
     z = cfg.zero_optimization
     if z.offload_optimizer is None and z.offload_param is None:
         return  # the same on every rank: either all ranks agree below or none does
+    if z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3:
+        if not comm.is_initialized() or comm.get_rank() == 0:
+            log.warning("%s (device %r) has no effect at ZeRO stage %d: parameters are whole on "
+                        "every rank below stage 3; training goes on without parameter offload "
+                        "(set zero_optimization.stage to 3 to offload them)", _OP,
+                        z.offload_param.device, z.stage)
     _agree(_problems(cfg, client_optimizer))
 
 
@@ -53,9 +61,6 @@ def _problems(cfg, client_optimizer) -> list[str]:
     if oo != "none" and z.stage == 0:
         out.append(f"{_OO}: needs ZeRO stage 1, 2 or 3 (got stage 0: every rank would step the "
                    "whole optimizer); set zero_optimization.stage")
-    if op != "none" and z.stage != 3:
-        out.append(f"{_OP}: needs ZeRO stage 3 (got stage {z.stage}): only stage 3 keeps "
-                   "parameters as per-rank slices that can live off the device")
     if op == "nvme" and oo == "none":
         out.append(f"{_OP}.device: \"nvme\" needs offload_optimizer (\"cpu\" or \"nvme\"): "
                    "the fp32 masters must live apart from the swapped shards")

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from meshspeed.config import ACCEPTED_UNUSED, MeshspeedConfig, load_config
+from meshspeed.config import ACCEPTED_UNUSED, ConfigError, MeshspeedConfig, load_config
 from meshspeed.config.keys import submodel
 from tests.config.helpers import error_of
 
@@ -58,23 +58,48 @@ def test_known_unused_keys_accepted_and_logged_once(caplog):
     config = {
         "zero_allow_untested_optimizer": True,
         "flops_profiler": {"enabled": True, "anything": {"goes": [1, 2]}},
+        "tensorboard": {"enabled": False, "output_path": "x"},  # off: not reported
         "zero_optimization": {"stage": 2, "elastic_checkpoint": True},
-        "fp16": {"enabled": True, "fp16_master_weights_and_grads": False},
+        "fp16": {"enabled": True, "fp16_master_weights_and_grads": False},  # asks nothing
+        "bf16": {"enabled": False, "immediate_grad_update": True},  # block off: not reported
     }
     with caplog.at_level(logging.INFO, logger="meshspeed"):
         cfg = load_config(config)
     lines = [r.getMessage() for r in caplog.records if "accepted but not used" in r.getMessage()]
-    assert len(lines) == 1
-    for key in (
-        "zero_allow_untested_optimizer",
-        "flops_profiler",
-        "zero_optimization.elastic_checkpoint",
-        "fp16.fp16_master_weights_and_grads",
-    ):
-        assert key in lines[0]
+    assert lines == ["config keys accepted but not used by meshspeed yet: "
+                     "zero_allow_untested_optimizer, zero_optimization.elastic_checkpoint"]
+    monitors = [r.getMessage() for r in caplog.records if "monitors" in r.getMessage()]
+    assert len(monitors) == 1 and "flops_profiler" in monitors[0] and "tensorboard" not in monitors[0]
     assert cfg.zero_stage == 2 and cfg.fp16.enabled
     assert "flops_profiler" in cfg.ignored_keys
     assert "flops_profiler" not in cfg.to_dict()
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"sequence_parallel_size": 4}, "sequence_parallel_size: asks for sequence parallelism"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel: asks for tensor parallelism"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO++ hierarchical"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
+     "compression training"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16 optimizer states"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "gradient accumulation dtype"),
+])
+def test_a_key_asking_for_a_missing_parallelism_or_numerics_is_an_error(config, says):
+    with pytest.raises(ConfigError, match="which meshspeed does not implement yet") as err:
+        load_config(config)
+    assert says in str(err.value)
+
+
+@pytest.mark.parametrize("config", [
+    {"sequence_parallel_size": 1},
+    {"tensor_parallel": {"autotp_size": 1}},
+    {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False}},
+    {"hybrid_engine": {"enabled": False, "max_out_tokens": 512}},
+    {"data_types": {"grad_accum_dtype": "fp32"}},
+])
+def test_the_same_keys_at_their_defaults_are_accepted(config):
+    load_config(config)
 
 
 def test_no_log_line_without_unused_keys(caplog):
@@ -131,3 +156,9 @@ def test_legacy_cpu_offload_becomes_offload_optimizer():
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
     cfg = load_config({"zero_optimization": {"stage": 2, "cpu_offload": False}})
     assert cfg.zero_optimization.offload_optimizer is None
+
+
+def test_judged_keys_are_accepted_unused_keys():
+    from meshspeed.config.unbuilt import ASKS, MONITORS
+
+    assert set(ASKS) | set(MONITORS) <= ACCEPTED_UNUSED

@@ -17,7 +17,7 @@ def test_stage_constraints():
     (msg,) = _error(0, offload("cpu"))
     assert "offload_optimizer: needs ZeRO stage 1, 2 or 3" in msg
     (msg,) = _error(2, {"offload_param": {"device": "cpu"}})
-    assert "offload_param: needs ZeRO stage 3 (got stage 2)" in msg
+    assert msg == ""  # no effect below stage 3, as in DeepSpeed: a warning (tests/compat)
     (msg,) = _error(3, {"offload_param": {"device": "cpu"}, **offload("cpu")})
     assert msg == ""
 
