@@ -9,6 +9,16 @@ from meshspeed.testing import run_distributed
 from meshspeed.testing.engines import small_engine, train_step
 
 
+def _next_step(engine, x):
+    """(the DivergenceError message or None, global_steps) of one more micro-step."""
+    engine.backward(engine(x, x))
+    try:
+        engine.step()
+    except meshspeed.DivergenceError as err:
+        return str(err), engine.global_steps
+    return None, engine.global_steps
+
+
 def _diverged(stage):
     from meshspeed import comm
 
@@ -17,12 +27,7 @@ def _diverged(stage):
     train_step(engine, x)  # agreed
     if comm.get_rank() == 1:
         engine.global_steps += 1  # as if this rank had taken a step the others did not
-    engine.backward(engine(x, x))
-    try:
-        engine.step()
-    except meshspeed.DivergenceError as err:
-        return str(err), engine.global_steps
-    return None, engine.global_steps
+    return _next_step(engine, x)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -48,12 +53,7 @@ def _other_code_path(stage):
         comm.all_reduce(torch.ones(4, dtype=torch.int32))
     else:
         comm.all_reduce(torch.ones(4, dtype=torch.float32))
-    engine.backward(engine(x, x))
-    try:
-        engine.step()
-    except meshspeed.DivergenceError as err:
-        return str(err), engine.global_steps
-    return None, engine.global_steps
+    return _next_step(engine, x)
 
 
 @pytest.mark.parametrize("stage", [0, 2])
