@@ -139,7 +139,7 @@ def _load_loop_state(engine, meta: dict, store: SavedTensors, load_scheduler: bo
     if epoch is not None and hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     mine = [r for r in meta["ranks"] if r["rank"] == comm.get_rank()]
-    if mine:  # a rank that did not exist when saving keeps its RNG state
+    if mine and engine.config.checkpoint.load_rng_state:  # a new rank keeps its RNG state
         restore_rng(mine[0]["rng"], lambda key: store.read(mine[0]["file"], key))
 
 

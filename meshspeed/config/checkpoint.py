@@ -11,6 +11,9 @@ class CheckpointConfig(StrictModel):
     """How checkpoints are written and checked."""
 
     async_save: bool = False  # meshspeed: write in a background thread after snapshotting
+    # meshspeed: load_checkpoint restores each rank's RNG states (dropout masks and data
+    # order continue as if never interrupted); false keeps the current ones, as DeepSpeed does
+    load_rng_state: bool = True
     # What to do when ranks disagree on the checkpoint tag.
     tag_validation: CaseInsensitive("Ignore", "Warn", "Fail") = "Warn"  # type: ignore[valid-type]
     load_universal: bool = False  # load a universal (topology-free) checkpoint

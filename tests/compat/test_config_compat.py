@@ -21,3 +21,23 @@ def test_offload_param_below_stage_3_warns_once_and_trains(caplog):
         last = train_step(engine, x).item()
     assert last < first
     assert engine.memory_breakdown()["tiers"]["host"] == 0  # nothing was offloaded
+
+
+def _rng_after_load(tmp, keep_current):
+    engine = small_engine(0, checkpoint={"load_rng_state": not keep_current})
+    x = torch.randint(0, 16, (1, 4))
+    train_step(engine, x)
+    engine.save_checkpoint(tmp, tag="t")
+    saved = torch.rand(3)  # what the next draw was at save time
+    torch.manual_seed(1234)
+    here = torch.rand(3)  # what the next draw is before loading
+    torch.manual_seed(1234)
+    engine.load_checkpoint(tmp, tag="t")
+    return torch.rand(3), saved, here
+
+
+def test_load_checkpoint_restores_rng_unless_told_to_keep_it(tmp_path):
+    after, saved, _ = _rng_after_load(str(tmp_path / "a"), keep_current=False)
+    torch.testing.assert_close(after, saved, rtol=0, atol=0)  # meshspeed's default
+    after, _, here = _rng_after_load(str(tmp_path / "b"), keep_current=True)
+    torch.testing.assert_close(after, here, rtol=0, atol=0)  # DeepSpeed's behaviour
