@@ -24,7 +24,10 @@ installed alongside is used as usual.
 3. `builtins.__import__` is wrapped so that `from deepspeed.x import name` of a name the
    module lacks says that meshspeed does not provide `deepspeed.x.name`, where Python's
    own message would name `meshspeed.x`. Only absolute imports of `deepspeed...` with a
-   from-list are looked at; every other import goes straight through.
+   from-list are looked at; every other import goes straight through. The statement that
+   first imports the shim still runs under the original __import__, so each launched rank
+   calls install() before the script starts (compat/child.py); a subprocess the script
+   starts gets the alias from the shim, with Python's wording for that first statement.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def _compat_target(target: list[str], rest: list[str], parsed, no_local_rank: bo
         return target, rest
     child = ["-m", "meshspeed.compat.child"] + (["--module"] if parsed.module else [])
     child += ["--no-local-rank"] if no_local_rank else []
-    return [*child, "--", *target], [t for t in rest if t not in ("-m", "--module")]
+    return [*child, *target], [t for t in rest if t not in ("-m", "--module")]
 
 
 class Launch(NamedTuple):
