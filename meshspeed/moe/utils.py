@@ -29,7 +29,7 @@ def is_moe_param_group(param_group: dict[str, Any]) -> bool:
 
 def split_params_into_different_moe_groups_for_optimizer(
         param_groups: dict[str, Any] | tuple[dict[str, Any], ...] | list[dict[str, Any]],
-        max_group_size: int | float | None = DEFAULT_MAX_GROUP_SIZE) -> list[dict[str, Any]]:
+        max_group_size: float | None = DEFAULT_MAX_GROUP_SIZE) -> list[dict[str, Any]]:
     """The groups with expert parameters moved out into groups of their own.
 
     Each input group keeps its options and its non-expert parameters (the same dict
@@ -41,7 +41,7 @@ def split_params_into_different_moe_groups_for_optimizer(
     elif isinstance(param_groups, list | tuple):
         groups = list(param_groups)
     else:
-        raise ValueError(f"param_groups: expected a dict or a list/tuple of dicts, got {type(param_groups).__name__}")
+        raise TypeError(f"param_groups: expected a dict or a list/tuple of dicts, got {type(param_groups).__name__}")
     expert_groups = []
     for group in groups:
         params = group["params"]
@@ -57,7 +57,7 @@ def split_params_into_different_moe_groups_for_optimizer(
     return groups + expert_groups
 
 
-def _chunks(params: list[torch.Tensor], limit: int | float | None) -> list[list[torch.Tensor]]:
+def _chunks(params: list[torch.Tensor], limit: float | None) -> list[list[torch.Tensor]]:
     if limit is None:
         return [params]
     chunks, current, size = [], [], 0

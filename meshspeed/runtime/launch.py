@@ -38,24 +38,24 @@ PASSTHROUGH = True  # meshspeed.cli hands options it does not know to us as `arg
 
 # (option strings, argparse keywords); `native` ones torchrun also has under these names
 _DS_OPTIONS = [
-    (("--num_gpus", "--num-gpus"), dict(type=int, help="processes (devices) per node")),
-    (("--num_nodes", "--num-nodes"), dict(type=int, help="number of nodes to use")),
-    (("--include",), dict(default="", help="only these resources: host[:slot,...][@host...], "
-                                           "e.g. localhost:0,1")),
-    (("--exclude",), dict(default="", help="every resource but these (same format as --include)")),
-    (("--hostfile",), dict(help="DeepSpeed hostfile ('host slots=N' per line)")),
-    (("--no_ssh", "--no-ssh"), dict(action="store_true", help="accepted: meshspeed never uses ssh")),
+    (("--num_gpus", "--num-gpus"), {"type": int, "help": "processes (devices) per node"}),
+    (("--num_nodes", "--num-nodes"), {"type": int, "help": "number of nodes to use"}),
+    (("--include",), {"default": "", "help": "only these resources: host[:slot,...][@host...], "
+                                             "e.g. localhost:0,1"}),
+    (("--exclude",), {"default": "", "help": "every resource but these (same format as --include)"}),
+    (("--hostfile",), {"help": "DeepSpeed hostfile ('host slots=N' per line)"}),
+    (("--no_ssh", "--no-ssh"), {"action": "store_true", "help": "accepted: meshspeed never uses ssh"}),
     (("--bind_cores_to_rank", "--bind-cores-to-rank"),
-     dict(action="store_true", help="OMP_NUM_THREADS = cores / processes (cores are not pinned)")),
+     {"action": "store_true", "help": "OMP_NUM_THREADS = cores / processes (cores are not pinned)"}),
     (("--no_local_rank", "--no-local-rank"),
-     dict(action="store_true", help="with --deepspeed-compat: do not pass --local_rank=N to the script")),
+     {"action": "store_true", "help": "with --deepspeed-compat: do not pass --local_rank=N to the script"}),
     (("--deepspeed-compat", "--deepspeed_compat"),
-     dict(action="store_true", help="run a script that imports deepspeed on meshspeed, unchanged")),
+     {"action": "store_true", "help": "run a script that imports deepspeed on meshspeed, unchanged"}),
 ]
 _NATIVE_OPTIONS = [  # torchrun has these; we read them to plan multi-node runs
-    (("--master_addr", "--master-addr"), dict(help="address of node 0")),
-    (("--master_port", "--master-port"), dict(type=int, help="port on node 0")),
-    (("--node_rank", "--node-rank"), dict(type=int, help="this node's index")),
+    (("--master_addr", "--master-addr"), {"help": "address of node 0"}),
+    (("--master_port", "--master-port"), {"type": int, "help": "port on node 0"}),
+    (("--node_rank", "--node-rank"), {"type": int, "help": "this node's index"}),
 ]
 _UNSUPPORTED_VALUE = {"--launcher", "--ssh_port", "--autotuning"}  # the others are plain switches
 

@@ -11,14 +11,13 @@ import argparse
 import os
 import sys
 
-import torch
-from torch import nn
-
 import deepspeed
+import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.pipe import LayerSpec
 from deepspeed.utils import RepeatingLoader, log_dist
+from torch import nn
 
 
 class Net(nn.Module):
@@ -68,8 +67,9 @@ def main():
     log_dist(f"first {losses[0]:.4f} last {losses[-1]:.4f}", ranks=[0])
     model_engine.save_checkpoint(args.save_dir)
 
-    import meshspeed
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import meshspeed
 
     state = get_fp32_state_dict_from_zero_checkpoint(args.save_dir)
     with deepspeed.zero.GatheredParameters(list(model_engine.module.parameters())):

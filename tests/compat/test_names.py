@@ -126,7 +126,7 @@ def _steps(make_opt, steps: int = 3) -> torch.Tensor:
 
 @pytest.mark.parametrize("cls,mode", [(FusedAdam, "adam_w_mode"), (DeepSpeedCPUAdam, "adamw_mode")])
 def test_deepspeed_adam_classes_mean_what_deepspeed_means(cls, mode):
-    kw = dict(lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.5)
+    kw = {"lr": 0.1, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.5}
     adamw = _steps(lambda p: torch.optim.AdamW(p, **kw))
     adam_l2 = _steps(lambda p: torch.optim.Adam(p, **kw))
     assert torch.allclose(_steps(lambda p: cls(p, **kw)), adamw)  # default: decoupled decay

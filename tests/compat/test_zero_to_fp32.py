@@ -52,7 +52,7 @@ def test_frozen_parameters_can_be_left_out(saved):
 
 
 def test_convert_writes_a_loadable_file(saved, tmp_path):
-    root, runs = saved
+    root, _ = saved
     expected = get_fp32_state_dict_from_zero_checkpoint(root / "stage2", tag="global_step2")
     bin_path = convert_zero_checkpoint_to_fp32_state_dict(root / "stage2", tmp_path / "model.bin")
     st_path = convert_zero_checkpoint_to_fp32_state_dict(root / "stage2", tmp_path / "model.safetensors")
