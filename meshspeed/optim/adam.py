@@ -22,26 +22,44 @@ import torch
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 
 
-def _check(cls_name: str, bias_correction: bool, amsgrad: bool) -> None:
-    if not bias_correction:
-        raise NotImplementedError(
-            f"{cls_name}(bias_correction=False) is not implemented in meshspeed: torch's Adam "
-            "always corrects the moment estimates; drop the argument (the default is True)")
-    if amsgrad:
-        raise ValueError(f"{cls_name} does not support the AMSGrad variant (neither does DeepSpeed's)")
+def _materialised(params: Iterable[Any]) -> list[Any]:
+    """Parameters or groups as lists, so that they can be read here and again by torch
+    (scripts pass generators: `model.parameters()`, groups built with comprehensions)."""
+    out = []
+    for p in params:
+        if isinstance(p, dict) and not isinstance(p["params"], torch.Tensor):
+            p = {**p, "params": list(p["params"])}
+        out.append(p)
+    return out
 
 
-def _fused_ok(params: Iterable[Any]) -> bool:
+def _fused_ok(params: list[Any]) -> bool:
     """Whether torch's fused Adam kernel accepts every parameter (floating, CPU or CUDA)."""
     tensors = []
     for p in params:
-        tensors.extend(p["params"] if isinstance(p, dict) else [p])
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        group = p["params"] if isinstance(p, dict) else p
+        tensors.extend([group] if isinstance(group, torch.Tensor) else group)
     return bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda")
                                  for t in tensors)
 
 
-class FusedAdam(torch.optim.Adam):
+class _DeepSpeedAdam(torch.optim.Adam):
+    """torch's Adam from DeepSpeed's arguments; `decoupled` is DeepSpeed's adam(w)_mode."""
+
+    def __init__(self, params, *, lr, bias_correction, betas, eps, weight_decay, amsgrad, decoupled):
+        name = type(self).__name__
+        if not bias_correction:
+            raise NotImplementedError(
+                f"{name}(bias_correction=False) is not implemented in meshspeed: torch's Adam "
+                "always corrects the moment estimates; drop the argument (the default is True)")
+        if amsgrad:
+            raise ValueError(f"{name} does not support the AMSGrad variant (neither does DeepSpeed's)")
+        params = _materialised(params)
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=bool(decoupled), fused=_fused_ok(params) or None)
+
+
+class FusedAdam(_DeepSpeedAdam):
     """DeepSpeed's `FusedAdam(params, lr, bias_correction, betas, eps, adam_w_mode,
     weight_decay, amsgrad, set_grad_none)` over torch's Adam."""
 
@@ -49,10 +67,8 @@ class FusedAdam(torch.optim.Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
                  set_grad_none: bool = True):
-        _check(type(self).__name__, bias_correction, amsgrad)
-        params = list(params)
-        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                         decoupled_weight_decay=bool(adam_w_mode), fused=_fused_ok(params) or None)
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, decoupled=adam_w_mode)
         self.adam_w_mode = bool(adam_w_mode)
         self.set_grad_none = set_grad_none
 
@@ -60,7 +76,7 @@ class FusedAdam(torch.optim.Adam):
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
 
-class DeepSpeedCPUAdam(torch.optim.Adam):
+class DeepSpeedCPUAdam(_DeepSpeedAdam):
     """DeepSpeed's `DeepSpeedCPUAdam(model_params, lr, bias_correction, betas, eps,
     weight_decay, amsgrad, adamw_mode, fp32_optimizer_states)` over torch's Adam.
 
@@ -72,9 +88,7 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
                  fp32_optimizer_states: bool = True):
-        _check(type(self).__name__, bias_correction, amsgrad)
-        params = list(model_params)
-        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                         decoupled_weight_decay=bool(adamw_mode), fused=_fused_ok(params) or None)
+        super().__init__(model_params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, decoupled=adamw_mode)
         self.adamw_mode = bool(adamw_mode)
         self.fp32_optimizer_states = fp32_optimizer_states

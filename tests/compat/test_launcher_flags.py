@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from meshspeed.runtime import launch
@@ -15,20 +13,13 @@ from meshspeed.runtime.ds_launcher import (
     plan,
     select,
 )
+from tests.runtime.test_launch import parse  # meshspeed.cli's parsing of `meshspeed run`
 
 HOSTFILE = """
 # the cluster
 worker-1 slots=4
 worker-2   slots = 4   # trailing comment
 """
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()  # what meshspeed.cli does for PASSTHROUGH commands
-    launch.add_arguments(parser)
-    args, extra = parser.parse_known_args(argv)
-    args.extra = extra
-    return args
 
 
 def torchrun(argv, device_count=0, environ=None):

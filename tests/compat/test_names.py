@@ -132,6 +132,10 @@ def test_deepspeed_adam_classes_mean_what_deepspeed_means(cls, mode):
     assert torch.allclose(_steps(lambda p: cls(p, **kw)), adamw)  # default: decoupled decay
     assert torch.allclose(_steps(lambda p: cls(p, **kw, **{mode: False})), adam_l2)
     assert not torch.allclose(adamw, adam_l2)
+    # groups as DeepSpeed-Chat builds them: generators inside dicts, read once by us, once by torch
+    layer = nn.Linear(2, 2)
+    opt = cls([{"params": (p for p in [layer.weight]), "weight_decay": 0.0}, {"params": layer.bias}])
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
     with pytest.raises(NotImplementedError, match="bias_correction=False"):
         cls([nn.Parameter(torch.ones(1))], bias_correction=False)
     with pytest.raises(ValueError, match="AMSGrad"):

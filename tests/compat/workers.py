@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import torch
@@ -17,13 +18,12 @@ def gathered_masters(engine) -> dict[str, torch.Tensor]:
     """Each parameter's fp32 master, assembled from every rank's owned ranges."""
     mine = [(s.name, tuple(s.shape), s.start, s.end, s.master.detach().float().clone())
             for s in engine.strategy.owned_slices()]
-    full: dict[str, torch.Tensor] = {}
+    shapes, full = {}, {}
     for ranks_slices in comm.all_gather_object(mine):
         for name, shape, start, end, values in ranks_slices:
-            flat = full.setdefault(name, torch.full((torch.Size(shape).numel(),), float("nan")))
-            flat[start:end] = values
-    return {name: flat.view(shape) for name, flat in full.items()
-            for shape in [next(s for n, s, *_ in mine if n == name)]}
+            shapes[name] = shape
+            full.setdefault(name, torch.full((math.prod(shape),), float("nan")))[start:end] = values
+    return {name: flat.view(shapes[name]) for name, flat in full.items()}
 
 
 def setup_for(stage: int) -> ParitySetup:
@@ -66,13 +66,11 @@ def save_at_every_stage(root: str) -> list[dict]:
         losses = train_steps(engine, setup)
         engine.save_checkpoint(os.path.join(root, f"stage{stage}"))
         masters = gathered_masters(engine)
-        reference = gathered_masters(_trained(config_engine(setup), setup))
+        reference_engine = config_engine(setup)
+        train_steps(reference_engine, setup)
+        reference = gathered_masters(reference_engine)
         out.append({"stage": stage, "kind": kind, "losses": losses, "masters": masters,
                     "reference": reference,
                     "param_dtype": str(next(engine.module.parameters()).dtype)})
     return out
 
-
-def _trained(engine, setup):
-    train_steps(engine, setup)
-    return engine
