@@ -52,7 +52,6 @@ class DeepSpeedFlags:
     master_port: int | None = None
     node_rank: int | None = None
     no_ssh: bool = False
-    bind_cores_to_rank: bool = False
 
 
 @dataclass
@@ -60,7 +59,7 @@ class LaunchPlan:
     """What torchrun is told, for this node. `node_commands` is set instead when this
     process cannot run the job itself (several hosts, no --node_rank)."""
 
-    nproc_per_node: int | None = None  # None: meshspeed run's default
+    nproc_per_node: int | None = None  # None: no resource option given, meshspeed run's default
     torchrun_options: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     node_commands: list[str] = field(default_factory=list)
@@ -143,8 +142,7 @@ def _visible(slots: list[int], visible_devices: str | None) -> str:
     return ",".join(current[s] for s in slots)
 
 
-def plan(flags: DeepSpeedFlags, *, device_count: int, cpu_count: int = 1,
-         hostfile_text: str | None = None, environ: Mapping[str, str] | None = None,
+def plan(flags: DeepSpeedFlags, *, device_count: int, hostfile_text: str | None = None, environ: Mapping[str, str] | None = None,
          node_command=None) -> LaunchPlan:
     """Turn deepspeed launcher flags into torchrun options for this node.
 
@@ -182,12 +180,13 @@ def plan(flags: DeepSpeedFlags, *, device_count: int, cpu_count: int = 1,
         hosts = {h: list(range(flags.num_gpus)) for h in hosts}
     if len(hosts) == 1:
         slots = next(iter(hosts.values()))
-        out = LaunchPlan(nproc_per_node=len(slots), torchrun_options=_rendezvous(flags, None))
+        chosen = filtered or flags.num_gpus is not None or flags.hostfile is not None
+        out = LaunchPlan(nproc_per_node=len(slots) if chosen else None,
+                         torchrun_options=_rendezvous(flags, None))
         if filtered and device_count:
             out.env["CUDA_VISIBLE_DEVICES"] = _visible(slots, environ.get("CUDA_VISIBLE_DEVICES"))
-        _bind_cores(out, flags, cpu_count)
         return out
-    return _multi_host(flags, hosts, filtered, device_count, cpu_count, environ, node_command)
+    return _multi_host(flags, hosts, filtered, environ, node_command)
 
 
 def _rendezvous(flags: DeepSpeedFlags, nnodes: int | None, master_addr: str | None = None,
@@ -206,13 +205,6 @@ def _rendezvous(flags: DeepSpeedFlags, nnodes: int | None, master_addr: str | No
     return opts
 
 
-def _bind_cores(out: LaunchPlan, flags: DeepSpeedFlags, cpu_count: int) -> None:
-    # DeepSpeed also pins each rank to its cores (numactl); torchrun does not, so only
-    # the thread count follows the split.
-    if flags.bind_cores_to_rank and out.nproc_per_node:
-        out.env["OMP_NUM_THREADS"] = str(max(1, cpu_count // out.nproc_per_node))
-
-
 def _multi_node_without_hostfile(flags: DeepSpeedFlags, device_count: int) -> LaunchPlan:
     """`--num_nodes N` with no hostfile: torchrun's multi-node form, one command per node."""
     if flags.master_addr is None or flags.node_rank is None:
@@ -222,7 +214,7 @@ def _multi_node_without_hostfile(flags: DeepSpeedFlags, device_count: int) -> La
     return LaunchPlan(nproc_per_node=nproc, torchrun_options=_rendezvous(flags, flags.num_nodes))
 
 
-def _multi_host(flags, hosts, filtered, device_count, cpu_count, environ, node_command) -> LaunchPlan:
+def _multi_host(flags, hosts, filtered, environ, node_command) -> LaunchPlan:
     sizes = {len(s) for s in hosts.values()}
     if len(sizes) != 1:
         raise LaunchError(f"hosts with different slot counts {[(h, len(s)) for h, s in hosts.items()]}: "
@@ -232,23 +224,20 @@ def _multi_host(flags, hosts, filtered, device_count, cpu_count, environ, node_c
     if flags.node_rank is not None:
         if not 0 <= flags.node_rank < len(names):
             raise LaunchError(f"--node_rank {flags.node_rank}: the job has {len(names)} nodes (0..{len(names) - 1})")
-        return _node_plan(flags, hosts, names, flags.node_rank, master, filtered, device_count,
-                          cpu_count, environ)
+        return _node_plan(flags, hosts, names, flags.node_rank, master, filtered, environ)
     if flags.no_ssh:
         raise LaunchError("--no_ssh with several hosts needs --node_rank (this node's index in the hostfile)")
     render = node_command or (lambda rank, p: " ".join(map(shlex.quote, p.torchrun_options)))
     # environ=None: CUDA_VISIBLE_DEVICES here says nothing about the other nodes' devices
-    commands = [render(rank, _node_plan(flags, hosts, names, rank, master, filtered, device_count,
-                                        cpu_count, None))
+    commands = [render(rank, _node_plan(flags, hosts, names, rank, master, filtered, None))
                 for rank in range(len(names))]
     return LaunchPlan(node_commands=[f"{names[r]}: {c}" for r, c in enumerate(commands)])
 
 
-def _node_plan(flags, hosts, names, rank, master, filtered, device_count, cpu_count, environ) -> LaunchPlan:
+def _node_plan(flags, hosts, names, rank, master, filtered, environ) -> LaunchPlan:
     slots = hosts[names[rank]]
     out = LaunchPlan(nproc_per_node=len(slots),
                      torchrun_options=_rendezvous(flags, len(names), master, rank))
     if filtered:
         out.env["CUDA_VISIBLE_DEVICES"] = _visible(slots, (environ or {}).get("CUDA_VISIBLE_DEVICES"))
-    _bind_cores(out, flags, cpu_count)
     return out

@@ -127,8 +127,7 @@ def _flags(ns: argparse.Namespace) -> DeepSpeedFlags | None:
                               f"{ds_launcher.UNSUPPORTED[flag]}")
     flags = DeepSpeedFlags(num_gpus=ns.num_gpus, num_nodes=ns.num_nodes, include=ns.include,
                            exclude=ns.exclude, hostfile=ns.hostfile, master_addr=ns.master_addr,
-                           master_port=ns.master_port, node_rank=ns.node_rank, no_ssh=ns.no_ssh,
-                           bind_cores_to_rank=ns.bind_cores_to_rank)
+                           master_port=ns.master_port, node_rank=ns.node_rank, no_ssh=ns.no_ssh)
     return None if flags == DeepSpeedFlags() else flags
 
 
@@ -170,17 +169,21 @@ def launch_plan(args: argparse.Namespace, *, device_count: int | None = None,
                     hostfile_text = f.read()
             except OSError as err:
                 raise LaunchError(f"--hostfile {flags.hostfile}: {err.strerror}") from None
-        plan = ds_launcher.plan(flags, device_count=device_count, cpu_count=os.cpu_count() or 1,
-                                hostfile_text=hostfile_text, environ=environ,
+        plan = ds_launcher.plan(flags, device_count=device_count, hostfile_text=hostfile_text, environ=environ,
                                 node_command=lambda rank, p: _node_command(p, ns, rest, target))
         if plan.node_commands:
             return Launch([], {}, plan.node_commands, ns.deepspeed_compat)
-        if nproc is not None and str(nproc) != str(plan.nproc_per_node):
+        if None not in (nproc, plan.nproc_per_node) and str(nproc) != str(plan.nproc_per_node):
             raise LaunchError(f"--nproc-per-node {nproc} and the deepspeed launcher options "
                               f"({plan.nproc_per_node} processes per node) disagree; give one")
-        nproc, env, opts = plan.nproc_per_node, plan.env, plan.torchrun_options
+        nproc = plan.nproc_per_node or nproc
+        env, opts = dict(plan.env), plan.torchrun_options
     if nproc is None:
         nproc = str(device_count) if device_count else "1"
+    if ns.bind_cores_to_rank and str(nproc).isdigit():
+        # DeepSpeed also pins each rank to its share of the cores (numactl); torchrun does
+        # not, so only the thread count follows the split
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
     if ns.deepspeed_compat:
         target, rest = _compat_target(target, rest, parsed, ns.no_local_rank)
     return Launch(["--nproc-per-node", str(nproc), *opts, *rest, *target], env, [], ns.deepspeed_compat)
@@ -191,6 +194,7 @@ def _node_command(plan, ns, rest: list[str], target: list[str]) -> str:
     words = ["meshspeed", "run", "--nproc-per-node", str(plan.nproc_per_node), *plan.torchrun_options]
     words += ["--deepspeed-compat"] if ns.deepspeed_compat else []
     words += ["--no_local_rank"] if ns.no_local_rank else []
+    words += ["--bind_cores_to_rank"] if ns.bind_cores_to_rank else []
     line = " ".join(shlex.quote(w) for w in [*words, *rest, *target])
     return f"{env} {line}" if env else line
 

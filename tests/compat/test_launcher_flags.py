@@ -75,6 +75,11 @@ def test_include_exclude_syntax_and_selection():
       "--master-port", "29500", "train.py"], {}),
     (["--bind_cores_to_rank", "--num_gpus", "2", "train.py"], 0,
      ["--nproc-per-node", "2", "train.py"], {"OMP_NUM_THREADS": None}),
+    (["--bind_cores_to_rank", "--nproc-per-node", "2", "train.py"], 0,
+     ["--nproc-per-node", "2", "train.py"], {"OMP_NUM_THREADS": None}),
+    # rendezvous options alone leave the process count to --nproc-per-node
+    (["--nproc-per-node", "3", "--master_port", "1234", "train.py"], 0,
+     ["--nproc-per-node", "3", "--master-port", "1234", "train.py"], {}),
 ])
 def test_deepspeed_flags_to_torchrun(argv, device_count, expected_argv, expected_env):
     result = torchrun(argv, device_count)
