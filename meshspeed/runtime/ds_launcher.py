@@ -142,7 +142,8 @@ def _visible(slots: list[int], visible_devices: str | None) -> str:
     return ",".join(current[s] for s in slots)
 
 
-def plan(flags: DeepSpeedFlags, *, device_count: int, hostfile_text: str | None = None, environ: Mapping[str, str] | None = None,
+def plan(flags: DeepSpeedFlags, *, device_count: int, hostfile_text: str | None = None,
+         environ: Mapping[str, str] | None = None,
          node_command=None) -> LaunchPlan:
     """Turn deepspeed launcher flags into torchrun options for this node.
 
@@ -166,10 +167,12 @@ def plan(flags: DeepSpeedFlags, *, device_count: int, hostfile_text: str | None 
             return _multi_node_without_hostfile(flags, device_count)
         local = list(range(device_count)) if device_count else list(range(flags.num_gpus or 1))
         if filtered and not device_count:  # CPU: a slot is a process, any index will do
-            chosen = parse_filter(flags.include or flags.exclude, "--include" if flags.include else "--exclude")
+            flag = "--include" if flags.include else "--exclude"
+            chosen = parse_filter(flags.include or flags.exclude, flag)
             local = sorted(set(local) | {s for slots in chosen.values() for s in slots or []})
         resources = {LOCALHOST: local}
-    hosts = select(resources, flags.include, flags.exclude, check_slots=bool(device_count) or flags.hostfile is not None)
+    check = bool(device_count) or flags.hostfile is not None  # CPU without a hostfile: any slot
+    hosts = select(resources, flags.include, flags.exclude, check_slots=check)
     if flags.num_nodes is not None:
         if flags.num_nodes > len(hosts):
             raise LaunchError(f"--num_nodes {flags.num_nodes}: the hostfile has {len(hosts)} host(s)")
@@ -180,8 +183,8 @@ def plan(flags: DeepSpeedFlags, *, device_count: int, hostfile_text: str | None 
         hosts = {h: list(range(flags.num_gpus)) for h in hosts}
     if len(hosts) == 1:
         slots = next(iter(hosts.values()))
-        chosen = filtered or flags.num_gpus is not None or flags.hostfile is not None
-        out = LaunchPlan(nproc_per_node=len(slots) if chosen else None,
+        counted = filtered or flags.num_gpus is not None or flags.hostfile is not None
+        out = LaunchPlan(nproc_per_node=len(slots) if counted else None,
                          torchrun_options=_rendezvous(flags, None))
         if filtered and device_count:
             out.env["CUDA_VISIBLE_DEVICES"] = _visible(slots, environ.get("CUDA_VISIBLE_DEVICES"))

@@ -169,8 +169,9 @@ def launch_plan(args: argparse.Namespace, *, device_count: int | None = None,
                     hostfile_text = f.read()
             except OSError as err:
                 raise LaunchError(f"--hostfile {flags.hostfile}: {err.strerror}") from None
-        plan = ds_launcher.plan(flags, device_count=device_count, hostfile_text=hostfile_text, environ=environ,
-                                node_command=lambda rank, p: _node_command(p, ns, rest, target))
+        plan = ds_launcher.plan(flags, device_count=device_count, hostfile_text=hostfile_text,
+                                environ=environ,
+                                node_command=lambda _rank, p: _node_command(p, ns, rest, target))
         if plan.node_commands:
             return Launch([], {}, plan.node_commands, ns.deepspeed_compat)
         if None not in (nproc, plan.nproc_per_node) and str(nproc) != str(plan.nproc_per_node):
