@@ -57,10 +57,9 @@ def _is_alias(name: str) -> bool:
     return name == ALIAS or name.startswith(ALIAS + ".")
 
 
-def not_provided(alias_name: str, missing: str | None = None) -> ModuleNotFoundError:
-    where = f" (meshspeed has no module {missing})" if missing else ""
-    err = ModuleNotFoundError(f"No module named {alias_name!r}: {_HINT}{where}", name=alias_name)
-    return err
+def _not_provided(alias_name: str, missing: str) -> ModuleNotFoundError:
+    return ModuleNotFoundError(f"No module named {alias_name!r}: {_HINT} (meshspeed has no "
+                               f"module {missing})", name=alias_name)
 
 
 class _Loader(importlib.abc.Loader):
@@ -88,10 +87,10 @@ class _Finder(importlib.abc.MetaPathFinder):
             spec = importlib.util.find_spec(real)
         except ModuleNotFoundError as err:  # a parent is missing, or is a module, not a package
             if err.name and (real == err.name or real.startswith(err.name + ".")):
-                raise not_provided(fullname, err.name) from None
+                raise _not_provided(fullname, err.name) from None
             raise
         if spec is None:
-            raise not_provided(fullname, real)
+            raise _not_provided(fullname, real)
         return importlib.util.spec_from_loader(fullname, _Loader(real),
                                                is_package=spec.submodule_search_locations is not None)
 
