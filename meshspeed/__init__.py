@@ -23,10 +23,18 @@ _LAZY = {
     "zero": ("meshspeed.zero", None),
     "comm": ("meshspeed.comm", None),
     "checkpoint": ("meshspeed.checkpoint", None),
-    "accelerator": ("meshspeed.runtime.accelerator", None),
+    "accelerator": ("meshspeed.accelerator", None),
     "utils": ("meshspeed.utils", None),
     "add_config_arguments": ("meshspeed.arguments", "add_config_arguments"),
     "get_accelerator": ("meshspeed.runtime.accelerator", "get_accelerator"),
+    # DeepSpeed's other top-level names and the packages scripts reach as attributes
+    # (`deepspeed.runtime.utils.set_random_seed`, `deepspeed.moe.layer.MoE`)
+    "PipelineModule": ("meshspeed.pipe", "PipelineModule"),
+    "runtime": ("meshspeed.runtime", None),
+    "pipe": ("meshspeed.pipe", None),
+    "moe": ("meshspeed.moe", None),
+    "ops": ("meshspeed.ops", None),
+    "compression": ("meshspeed.compression", None),
 }
 
 __all__ = ["__version__", *_LAZY.keys()]  # noqa: PLE0604 - names listed in _LAZY

@@ -14,6 +14,8 @@ sequence.py     per-group sequence numbers and the digest the step agreement com
 rollcall.py     who is where, through the store, when a collective fails
 """
 
+from torch.distributed import ReduceOp  # DeepSpeed scripts write deepspeed.comm.ReduceOp.SUM
+
 from meshspeed.comm.collectives import (
     CommError,
     CommTimeoutError,
@@ -49,6 +51,7 @@ __all__ = [
     "CommLogger",
     "CommTimeoutError",
     "PeerLostError",
+    "ReduceOp",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
@@ -69,3 +72,14 @@ __all__ = [
     "send",
     "set_timeout",
 ]
+
+
+def __getattr__(name: str):
+    # `deepspeed.comm.init_distributed()` is how DeepSpeed scripts start the process group;
+    # it lives in meshspeed.runtime.distributed, which itself imports this package, so it
+    # is looked up on first use rather than imported above.
+    if name in ("init_distributed", "get_local_rank"):
+        from meshspeed.runtime import distributed
+
+        return getattr(distributed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,3 +18,14 @@ __all__ = [
     "get_local_rank",
     "init_distributed",
 ]
+
+
+def __getattr__(name: str):
+    # DeepSpeed scripts write `deepspeed.runtime.utils.set_random_seed(...)` after only
+    # `import deepspeed`: a submodule is imported the first time it is reached this way.
+    import importlib
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,11 @@ class Accelerator:
         raise NotImplementedError
 
     def device_name(self, device_index: int | None = None) -> str:
-        """DeepSpeed's spelling: "cuda:0", "cpu" — usable as `tensor.to(name)`."""
+        """DeepSpeed's spelling: "cuda" without an index (scripts write
+        `torch.device(acc.device_name(), local_rank)`), "cuda:1" with one, "cpu" always;
+        usable as `tensor.to(name)`."""
+        if device_index is None:
+            return self.name
         return str(self.device(device_index))
 
     def current_device_name(self) -> str:
@@ -84,6 +88,87 @@ class Accelerator:
 
     def supports_bf16(self) -> bool:
         raise NotImplementedError
+
+    def current_device(self) -> int:
+        """Index of the selected device (0 on the host, which has one)."""
+        raise NotImplementedError
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed this device's generator (the host generator on CPU)."""
+        raise NotImplementedError
+
+    def manual_seed_all(self, seed: int) -> None:
+        """Seed the generators of every device of this type."""
+        raise NotImplementedError
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the driver (nothing to do on CPU)."""
+        raise NotImplementedError
+
+    def memory_reserved(self) -> int:
+        """Bytes the caching allocator holds (on CPU: the same figure as memory_allocated)."""
+        raise NotImplementedError
+
+    def max_memory_reserved(self) -> int:
+        raise NotImplementedError
+
+    def total_memory(self) -> int:
+        """Bytes of memory on the device (physical RAM on CPU)."""
+        raise NotImplementedError
+
+    def available_memory(self) -> int:
+        """Bytes that can still be allocated (MemAvailable on CPU)."""
+        raise NotImplementedError
+
+    # -- DeepSpeed's accelerator spelling ---------------------------------------------------
+    # Note [DeepSpeed accelerator names]
+    # Scripts written for DeepSpeed call `get_accelerator().<name>()` with DeepSpeed's
+    # method names; these are those names, defined once here over the methods above.
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    def is_bf16_supported(self) -> bool:
+        return self.supports_bf16()
+
+    def is_fp16_supported(self) -> bool:
+        return True  # CUDA and torch's CPU kernels both implement fp16
+
+    def is_fp64_supported(self) -> bool:
+        return True
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        dtypes = [torch.float32]
+        if self.is_fp16_supported():
+            dtypes.append(torch.float16)
+        if self.is_bf16_supported():
+            dtypes.append(torch.bfloat16)
+        return dtypes
+
+    def communication_backend_name(self) -> str:
+        return self.default_backend()
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lives on this kind of device."""
+        return tensor.device.type == self.name
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and self.is_pin_available() and tensor.is_pinned()
+
+    def reset_max_memory_allocated(self) -> None:
+        self.reset_peak_memory_stats()
+
+    def is_synchronized_device(self) -> bool:
+        """True where kernels finish before they return (no streams to wait for)."""
+        return False
+
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
+
+    def range_push(self, msg: str) -> None:
+        """Open a named range for a profiler timeline (NVTX on CUDA; nothing on CPU)."""
+
+    def range_pop(self) -> None:
+        """Close the innermost range opened by range_push."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -128,6 +213,39 @@ class CudaAccelerator(Accelerator):
 
     def supports_bf16(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.cuda.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.cuda.manual_seed_all(seed)
+
+    def initial_seed(self) -> int:
+        return torch.cuda.initial_seed()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def memory_reserved(self) -> int:
+        return torch.cuda.memory_reserved()
+
+    def max_memory_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved()
+
+    def total_memory(self) -> int:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+    def available_memory(self) -> int:
+        return torch.cuda.mem_get_info()[0]
+
+    def range_push(self, msg: str) -> None:
+        torch.cuda.nvtx.range_push(msg)
+
+    def range_pop(self) -> None:
+        torch.cuda.nvtx.range_pop()
 
 
 class CpuAccelerator(Accelerator):
@@ -192,6 +310,33 @@ class CpuAccelerator(Accelerator):
     def supports_bf16(self) -> bool:
         return True  # torch implements bf16 kernels on CPU (slow without AVX512-BF16/AMX)
 
+    def current_device(self) -> int:
+        return 0
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def empty_cache(self) -> None:
+        pass  # no caching allocator on the host
+
+    def memory_reserved(self) -> int:
+        return self.memory_allocated()
+
+    def max_memory_reserved(self) -> int:
+        return self.max_memory_allocated()
+
+    def total_memory(self) -> int:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def available_memory(self) -> int:
+        return _meminfo_bytes("MemAvailable:") or self.total_memory()
+
+    def is_synchronized_device(self) -> bool:
+        return True
+
 
 _ACCELERATORS = {"cuda": CudaAccelerator, "cpu": CpuAccelerator}
 
@@ -232,3 +377,14 @@ def _peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if os.uname().sysname == "Darwin" else peak * 1024  # macOS: bytes, else kB
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

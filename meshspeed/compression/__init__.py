@@ -1,0 +1,1 @@
+"""Model compression. For now DeepSpeed's `compression.helper` module-path utilities only."""
