@@ -270,7 +270,10 @@ def _global(group: Any, group_rank: int) -> int:
 def all_reduce(
     tensor: torch.Tensor, group: Any = None, op: ReduceOpLike = "sum", async_op: bool = False
 ) -> Any:
-    """Reduce `tensor` in place across `group`."""
+    """Reduce `tensor` in place across `group`. DeepSpeed's positional order
+    `all_reduce(tensor, op, group)` is understood too (an op where the group goes)."""
+    if isinstance(group, (str, dist.ReduceOp)):
+        group, op = (None if isinstance(op, (str, dist.ReduceOp)) else op), group
     torch_op, divide = _reduce_op(op, group, tensor)
     nbytes = ring_bytes("all_reduce", _nbytes(tensor), get_world_size(group))
     work = _issue(

@@ -356,6 +356,17 @@ class MeshspeedEngine(nn.Module):
         return False
 
     # -- nn.Module plumbing -----------------------------------------------------------------
+    def __getattr__(self, name: str):
+        """Attributes the engine lacks come from the model, as DeepSpeed's engine does
+        (`engine.gradient_checkpointing_enable()`, `engine.config_class`, ...)."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules of the engine
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" not in modules or name.startswith("__"):
+                raise
+            return getattr(modules["module"], name)
+
     def train(self, mode: bool = True):
         self.module.train(mode)
         self.training = mode

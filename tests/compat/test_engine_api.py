@@ -119,3 +119,25 @@ def _no_sync_refused():
 def test_no_sync_is_refused_where_gradients_are_sharded():
     (msg,) = run_distributed(_no_sync_refused, world_size=1)
     assert msg is not None and "ZeRO stage 2" in msg
+
+
+def _forwarding():
+    from meshspeed import comm
+
+    engine = small_engine(0)
+    engine.module.custom_flag = "from the model"
+    t = torch.ones(2)
+    comm.all_reduce(t, "sum")  # DeepSpeed's positional order: (tensor, op, group)
+    comm.all_reduce(t, comm.ReduceOp.SUM, None)
+    try:
+        engine.no_such_attribute
+    except AttributeError as err:
+        missing = str(err)
+    return engine.custom_flag, t.tolist(), missing
+
+
+def test_model_attributes_through_the_engine_and_deepspeed_all_reduce_order():
+    for flag, t, missing in run_distributed(_forwarding, world_size=2):
+        assert flag == "from the model"
+        assert t == [4.0, 4.0]
+        assert "no_such_attribute" in missing
