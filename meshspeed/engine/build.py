@@ -21,10 +21,11 @@ from meshspeed.engine.engine import MeshspeedEngine
 from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement
 from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
 from meshspeed.optim.precision import build_scaler
+from meshspeed.parallel import registry
 from meshspeed.parallel.data.ddp import DataParallel
 from meshspeed.parallel.protocol import Strategy
 from meshspeed.parallel.zero.groups import UnitGroups
-from meshspeed.parallel.zero.init import cast_partitioned, gather_partitioned, is_partitioned
+from meshspeed.parallel.zero.init_shards import cast_partitioned, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
 from meshspeed.runtime.distributed import describe_world, init_distributed
@@ -87,6 +88,7 @@ def initialize(
         raise TypeError(f"{type(strategy).__name__} does not implement meshspeed.parallel.protocol.Strategy")
     check_host_memory(strategy, cfg)
     opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy, placement)
+    registry.attach_optimizer(strategy, opt)  # for safe_get_full_optimizer_state(param, key)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     loader = None
     if training_data is not None:
@@ -144,7 +146,7 @@ def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement):
     if cfg.zero_stage == 0:
         for p in module.parameters():  # zero.Init slices: data parallelism needs them whole
             if is_partitioned(p):
-                gather_partitioned(p, group)
+                gather_partitioned(p)
         return DataParallel(module, group, bucket_numel=z.reduce_bucket_size,
                             comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm)
     return Zero(

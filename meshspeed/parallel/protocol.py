@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from meshspeed.parallel.slices import OwnedSlice
+from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 
 
 @runtime_checkable
@@ -51,6 +51,10 @@ class Strategy(Protocol):
     def release_for_user(self, token: Any) -> None: ...
     def flush(self) -> None:
         """Finish background work that changes parameters (delayed update) and publish it."""
+        ...
+    def param_access(self, param: nn.Parameter) -> ParamAccess:
+        """One parameter's fp32 values, gradient and optimizer key on this rank
+        (`meshspeed.utils.safe_get_full_fp32_param` and friends)."""
         ...
 
     # -- checkpoints ---------------------------------------------------------------------------

@@ -7,7 +7,9 @@ holds as an fp32 master tensor (plus the optimizer state of that tensor).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,3 +26,20 @@ class OwnedSlice:
     key: nn.Parameter  # the tensor the optimizer holds (its state is keyed by it); same data
     writer: bool  # the one rank that writes this range (replicas skip it)
     requires_grad: bool
+
+
+@dataclass(frozen=True)
+class ParamAccess:
+    """One parameter as its strategy holds it now, for user code that reads or writes its
+    fp32 values, gradient or optimizer state (meshspeed/parallel/access.py)."""
+
+    shape: torch.Size  # the full parameter's shape
+    start: int  # this rank's range [start, end) of the flattened parameter
+    end: int
+    master: torch.Tensor  # fp32, flat, end - start elements: a view of the values stepped on
+    key: nn.Parameter  # the tensor the optimizer holds for the range (its state's key)
+    grad: torch.Tensor | None  # the range's reduced, averaged gradient (flat), or None
+    sharded: bool  # whether the other ranges are on other ranks (else this rank holds all)
+    group: Any  # the ranks holding the ranges, when sharded (None: the default group)
+    publish: Callable[[], None]  # after writing `master`: the parameters follow (a
+    #                              collective over `group` when sharded)

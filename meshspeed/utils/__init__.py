@@ -19,3 +19,20 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
     ranks = [0] if ranks is None else ranks
     if -1 in ranks or rank in ranks:
         logger.log(level, "[rank %d] %s", rank, message)
+
+
+# DeepSpeed's per-parameter access helpers (deepspeed.utils.safe_get_full_fp32_param, ...)
+from meshspeed.parallel.access import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+__all__ += ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+            "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]

@@ -16,7 +16,7 @@ from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.buckets import GradViews, split_by_numel, trainable
 from meshspeed.parallel.readiness import ReadinessTracker
-from meshspeed.parallel.slices import OwnedSlice
+from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.weak import weak_method
 
 
@@ -65,6 +65,9 @@ class DataParallel:
             id(p): (nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) if self.mixed else p)
             for p in params
         }
+        self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._launched = False  # this step's reductions were started
+        self._averaged = False  # ... and have landed and been averaged
         self.tracker = ReadinessTracker([b.params for b in self.buckets], weak_method(self._launch))
         self._sync_params()
         registry.register(params, self)
@@ -86,19 +89,32 @@ class DataParallel:
         bucket.collect()
         buf = bucket.flat if bucket.reduced is None else bucket.reduced.copy_(bucket.flat)
         bucket.work = comm.all_reduce(buf, group=self.group, async_op=self.overlap)
+        self._launched = True
 
     def finish_backward(self) -> None:
         self.tracker.flush()
 
     # -- step -----------------------------------------------------------------------------
-    def prepare_step(self) -> list[nn.Parameter]:
-        """Wait for reductions, average, and expose gradients on the master tensors."""
+    def _average(self) -> None:
+        """Wait for this step's reductions and average them (once per step)."""
+        if self._averaged:
+            return
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            reduced = bucket.flat if bucket.reduced is None else bucket.reduced
-            reduced.div_(self.world)
+            self._reduced(bucket).div_(self.world)
+        self._averaged = True
+
+    @staticmethod
+    def _reduced(bucket: _Bucket) -> torch.Tensor:
+        return bucket.flat if bucket.reduced is None else bucket.reduced
+
+    def prepare_step(self) -> list[nn.Parameter]:
+        """Wait for reductions, average, and expose gradients on the master tensors."""
+        self._average()
+        for bucket in self.buckets:
+            reduced = self._reduced(bucket)
             for i, p in enumerate(bucket.params):
                 if self.mixed:
                     self.master_of[id(p)].grad = bucket.view(reduced, i).float()
@@ -127,6 +143,21 @@ class DataParallel:
                 self.master_of[id(p)].grad = None
         for b in self.buckets:
             b.bind()
+        self._launched = self._averaged = False
+
+    # -- user access (meshspeed/parallel/access.py) -------------------------------------------
+    def param_access(self, param: nn.Parameter) -> ParamAccess:
+        """Every rank holds the whole parameter; its gradient is known once this step's
+        reductions were started (the backward of the boundary micro-step)."""
+        master = self.master_of[id(param)]
+        grad = None
+        if self._launched and id(param) in self.bucket_of:
+            self._average()
+            bucket, i = self.bucket_of[id(param)]
+            grad = bucket.view(self._reduced(bucket), i).reshape(-1)
+        publish = (lambda: param.data.copy_(master.detach())) if self.mixed else (lambda: None)
+        return ParamAccess(param.shape, 0, param.numel(), master.detach().view(-1), master, grad, False,
+                           self.group, publish)
 
     # -- checkpoint contract ----------------------------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:

@@ -46,7 +46,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel.buckets import GradViews
 from meshspeed.parallel.zero.groups import UnitGroups
-from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
+from meshspeed.parallel.zero.init_shards import full_shape, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState, Span
 from meshspeed.parallel.zero.staging import StagingPool
 
@@ -106,11 +106,11 @@ class FlatUnit:
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        self.shapes = [tuple(p.shape) for p in self.params]
+        self.shapes = [tuple(full_shape(p)) for p in self.params]  # (zero.Init's are placeholders)
         self.groups = groups
         self.world = comm.get_world_size(groups.shard)
         self.rank = comm.get_rank(groups.shard)
-        self.layout = FlatLayout(tuple(p.numel() for p in self.params), self.world)
+        self.layout = FlatLayout(tuple(torch.Size(s).numel() for s in self.shapes), self.world)
         self.shard_numel = self.layout.shard_numel
         self.spans = self.layout.spans(self.rank)
         self.shard_params = shard_params
@@ -126,8 +126,8 @@ class FlatUnit:
         # shard on the device, done(unit) after the all-gather, write(unit, values).
         self.shard_store = None
         self.flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        self.views = [self.flat[o : o + p.numel()].view(p.shape)
-                      for o, p in zip(self.layout.offsets, self.params)]
+        self.views = [self.flat[o : o + n].view(shape)
+                      for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.shapes)]
         lo = self.rank * self.shard_numel
         if shard_params:
             self.shard = self._build_shard()
@@ -168,7 +168,7 @@ class FlatUnit:
         shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         for s, p in zip(self.spans, self.params):
             if is_partitioned(p):
-                gather_partitioned(p, self.groups.shard)  # a collective, in unit order
+                gather_partitioned(p)  # a collective, in unit order
             shard[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1)[s.start : s.start + s.numel])
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         return shard
@@ -358,6 +358,22 @@ class FlatUnit:
             self._write_shard(fresh)
         if self.master_buffer is not None:
             self.master_buffer.copy_(fresh)
+
+    def refresh_from_masters(self) -> None:
+        """Masters were written from outside the step (`safe_set_full_fp32_param`): the
+        parameters follow. Like `publish_masters`, but a stage-3 unit that is whole now
+        (inside `GatheredParameters`) stays whole, with the new values."""
+        if self.shard_params and self.state is ParamState.SHARDED:
+            self.publish_masters()
+            return
+        if self.state is ParamState.GATHERING:
+            raise LifecycleError(f"unit {self.name}: masters written while its all-gather is in flight")
+        if self.master_buffer is not None:
+            self._write_shard(self.master_buffer)
+        shard = self.shard if self.shard_store is None else self.shard_store.fetch(self)
+        comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard)
+        if self.shard_store is not None:
+            self.shard_store.done(self)
 
     def _write_shard(self, values: torch.Tensor) -> None:
         if self.shard_store is None:

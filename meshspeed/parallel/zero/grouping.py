@@ -55,8 +55,13 @@ def _block_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Mo
     return blocks
 
 
-def module_units(module: nn.Module, persistence_threshold: int) -> GroupingPlan:
-    """Stage 3: one sharded unit per block, a sharded root unit, one whole persistent unit."""
+def module_units(module: nn.Module, persistence_threshold: int, numel=lambda p: p.numel(),
+                 external: list[tuple[nn.Module, nn.Parameter]] = ()) -> GroupingPlan:
+    """Stage 3: one sharded unit per block, a sharded root unit, one whole persistent unit.
+
+    `numel(p)` counts a parameter's elements (zero.Init's placeholders hold none); each
+    `(m, p)` of `external` says that `m`'s forward uses `p` (external.py): a parameter
+    used outside the block that owns it stays in the root unit."""
     blocks = _block_modules(module)
     claims = Counter(id(p) for _, m in blocks for p in m.parameters())
     in_blocks = {id(sub) for _, m in blocks for sub in m.modules()}
@@ -70,11 +75,15 @@ def module_units(module: nn.Module, persistence_threshold: int) -> GroupingPlan:
         for p in m.parameters():
             if id(p) not in shared:
                 owner.setdefault(id(p), name)
+    block_of = {id(sub): name for name, m in blocks for sub in m.modules()}
+    for user, p in external:
+        if id(p) in owner and block_of.get(id(user)) != owner[id(p)]:
+            del owner[id(p)]  # used outside its block: root
     plans = {name: UnitPlan(name, [], m, shard_params=True) for name, m in blocks}
     root = UnitPlan("root", [], module, shard_params=True)
     persistent = UnitPlan("persistent", [], None, shard_params=False)
     for name, p in module.named_parameters():
-        if p.numel() <= persistence_threshold:
+        if numel(p) <= persistence_threshold:
             persistent.params.append((name, p))
         else:
             plans.get(owner.get(id(p)), root).params.append((name, p))

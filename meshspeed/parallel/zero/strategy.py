@@ -18,12 +18,15 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.readiness import ReadinessTracker
-from meshspeed.parallel.slices import OwnedSlice
+from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.weak import weak_method
+from meshspeed.parallel.zero import ds_params
+from meshspeed.parallel.zero.ds_params import PartitionView, ZeroParamStatus
+from meshspeed.parallel.zero.external import external_uses
 from meshspeed.parallel.zero.flat import FlatUnit, publish_all
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units
 from meshspeed.parallel.zero.groups import UnitGroups
-from meshspeed.parallel.zero.init import gather_partitioned, is_partitioned
+from meshspeed.parallel.zero.init_shards import full_numel, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.lifecycle import ParamState
 from meshspeed.parallel.zero.placement import DevicePlacement
 from meshspeed.parallel.zero.prefetch import Fetcher, Pass, attach_pre_backward
@@ -45,6 +48,11 @@ def unit_numel(total_numel: int, reduce_bucket_size: int) -> int:
     """Most elements in one stage-1/2 unit (Note [unit size for stages 1 and 2])."""
     share = -(-total_numel // UNITS_PER_MODEL)
     return max(1, min(reduce_bucket_size, max(share, MIN_UNIT_NUMEL)))
+
+
+# a unit's state as DeepSpeed's p.ds_status names it (ds_params.py)
+_DS_STATUS = {ParamState.WHOLE: ZeroParamStatus.AVAILABLE, ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
+              ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE}
 
 
 class Zero:
@@ -73,7 +81,8 @@ class Zero:
         device = next(module.parameters()).device
         self.pool = StagingPool(comm_dtype, device)
         if self.spec.shard_params:
-            plan: GroupingPlan = module_units(module, persistence_threshold)
+            plan: GroupingPlan = module_units(module, persistence_threshold, numel=full_numel,
+                                              external=external_uses(module))
         else:
             total = sum(p.numel() for p in module.parameters())
             plan = bucket_units(module, unit_numel(total, bucket_numel))
@@ -84,6 +93,7 @@ class Zero:
         self.tracker = ReadinessTracker([u.params for u in self.units], weak_method(self._reduce_unit),
                                         on_param=weak_method(self._on_grad))
         self.unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        self.index_in_unit = {id(p): i for unit in self.units for i, p in enumerate(unit.params)}
         registry.register(module.parameters(), self)
         self.boundary = True
         self._pending: list = []  # (unit, finish) of reduce-scatters in flight
@@ -94,6 +104,8 @@ class Zero:
             self.fetcher = Fetcher([self.units[i] for i in sharded], prefetch_numel, max_live_numel)
             self._fetch_index = {i: k for k, i in enumerate(sharded)}  # unit -> fetcher index
             self._install_module_hooks(plan)
+            self._unit_module = {id(u): pl.module for pl, u in zip(plan.units, self.units)}
+            ds_params.expose(module.parameters(), self)  # DeepSpeed's p.ds_* (ds_params.py)
         self.placement.bind(self)
 
     def _make_unit(self, plan, comm_dtype) -> FlatUnit:
@@ -106,9 +118,9 @@ class Zero:
     def _gather_built_under_init(self, module: nn.Module, persistence_threshold: int) -> None:
         """Parameters built by zero.Init that this stage keeps whole are gathered once."""
         for p in module.parameters():
-            keep_whole = not self.spec.shard_params or p.numel() <= persistence_threshold
+            keep_whole = not self.spec.shard_params or full_numel(p) <= persistence_threshold
             if is_partitioned(p) and keep_whole:
-                gather_partitioned(p, self.groups.shard)
+                gather_partitioned(p)
 
     def _broadcast_stage3_params(self, module: nn.Module, persistence_threshold: int) -> None:
         """Stage 3: replicas start from the first rank's values before they are sliced.
@@ -272,6 +284,34 @@ class Zero:
     def release_for_user(self, gathered: list[FlatUnit]) -> None:
         for unit in gathered:
             unit.release()
+
+    # -- user access (DeepSpeed's p.ds_* and safe_get_* helpers) -------------------------------
+    def partition_view(self, param: nn.Parameter) -> PartitionView:
+        unit, i = self.unit_of[id(param)], self.index_in_unit[id(param)]
+        s = unit.spans[i]
+        return PartitionView(_DS_STATUS[unit.state], torch.Size(unit.shapes[i]),
+                             unit.shard[s.offset : s.offset + s.numel])
+
+    def param_access(self, param: nn.Parameter) -> ParamAccess:
+        self.placement.wait()  # a delayed update still running would change the masters
+        unit, i = self.unit_of[id(param)], self.index_in_unit[id(param)]
+        s, master = unit.spans[i], self.master_of[id(param)]
+        grad = None
+        if unit.grad_shard is not None and param.requires_grad:
+            grad = unit.grad_shard[s.offset : s.offset + s.numel]
+        return ParamAccess(torch.Size(unit.shapes[i]), s.start, s.start + s.numel, master.detach(), master,
+                           grad, True, self.groups.shard, unit.refresh_from_masters)
+
+    def check_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """A use registered after initialize must need no regrouping (external.py)."""
+        unit = self.unit_of.get(id(param))
+        owner = None if unit is None or not unit.shard_params else self._unit_module.get(id(unit))
+        if owner is None or owner is self.module or any(m is module for m in owner.modules()):
+            return  # whole whenever `module` runs already
+        raise RuntimeError(
+            f"register_external_parameter after meshspeed.initialize: the parameter belongs to unit "
+            f"{unit.name}, which is gathered only while its own module runs; register the use before "
+            "initialize (e.g. in the module's __init__) so that it is kept in the root unit")
 
     def _units_of(self, params):
         return list({id(self.unit_of[id(p)]): self.unit_of[id(p)] for p in params}.values())
