@@ -49,8 +49,8 @@ class MeshspeedEngine(nn.Module):
         self._last_loss: torch.Tensor | None = None
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------------
-    @property
     def gradient_accumulation_steps(self) -> int:
+        """A method, as in DeepSpeed (scripts call `engine.gradient_accumulation_steps()`)."""
         return self.config.gradient_accumulation_steps
 
     def train_batch_size(self) -> int:
@@ -60,7 +60,7 @@ class MeshspeedEngine(nn.Module):
         return self.config.train_micro_batch_size_per_gpu
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -68,8 +68,7 @@ class MeshspeedEngine(nn.Module):
     def get_global_grad_norm(self) -> float | None:
         return self._grad_norm
 
-    @property
-    def zero_optimization_stage(self) -> int:
+    def zero_optimization_stage(self) -> int:  # a method, as in DeepSpeed
         return self.config.zero_stage
 
     def zero_optimization(self) -> bool:
@@ -102,13 +101,14 @@ class MeshspeedEngine(nn.Module):
             raise RuntimeError(
                 "engine.backward() called twice without engine.step() in between; call "
                 "engine.step() after every backward: it counts the micro-step and applies the "
-                f"optimizer only at the accumulation boundary (every {self.gradient_accumulation_steps} "
+                f"optimizer only at the accumulation boundary (every {self.gradient_accumulation_steps()} "
                 "micro-steps here)")
         if not self._micro_started:  # forward ran outside the engine (engine.module(...))
             self.strategy.begin_micro_step(self.is_gradient_accumulation_boundary())
         scaled = loss
-        if scale_wrt_gas and self.gradient_accumulation_steps > 1:
-            scaled = scaled / self.gradient_accumulation_steps
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            scaled = scaled / gas
         if self.loss_scaler.scale != 1.0:
             scaled = scaled * self.loss_scaler.scale
         scaled.backward(retain_graph=retain_graph)

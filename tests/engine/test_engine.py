@@ -39,12 +39,15 @@ def _accumulation_and_lr():
         engine.step()
         changed = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
         seen.append((micro, boundary, engine.global_steps, changed, engine.get_lr()))
-    return engine.gradient_accumulation_steps, seen, opt is engine.optimizer, sched is engine.lr_scheduler
+    # methods, as in DeepSpeed (DeepSpeedExamples' train.py calls engine.gradient_accumulation_steps())
+    counts = (engine.gradient_accumulation_steps(), engine.zero_optimization_stage())
+    return counts, seen, opt is engine.optimizer, sched is engine.lr_scheduler
 
 
 def test_step_is_a_noop_between_boundaries_and_lr_is_a_list():
-    gas, seen, same_opt, same_sched = run_distributed(_accumulation_and_lr, world_size=2)[0]
+    (gas, stage), seen, same_opt, same_sched = run_distributed(_accumulation_and_lr, world_size=2)[0]
     assert gas == 2  # 8 = 2 micro x 2 accumulation x 2 ranks
+    assert stage == 0
     assert [s[1] for s in seen] == [False, True, False, True]
     assert [s[2] for s in seen] == [0, 1, 1, 2]
     assert seen[0][3] is False and seen[1][3] is True  # parameters move only at the boundary
