@@ -4,6 +4,17 @@ Note [Adam means AdamW]
 DeepSpeed's `"type": "Adam"` applies decoupled weight decay unless `adam_w_mode` is false,
 so a config ported from DeepSpeed keeps its meaning: Adam + adam_w_mode (default true) is
 torch's AdamW; Adam + adam_w_mode false is torch's Adam (L2 penalty in the gradient).
+
+Note [no weight_decay means 0]
+A config that names no `weight_decay` trains without weight decay in DeepSpeed, for "Adam"
+and "AdamW" alike: both become its FusedAdam (or DeepSpeedCPUAdam when offloaded), whose
+default is 0 (DeepSpeed 0.19.8, engine `_configure_basic_optimizer` and
+`get_optimizer_configuration`). torch's AdamW defaults to 0.01, so building torch.optim.AdamW
+from such a config without saying 0 shrinks every weight by lr * 0.01 each step that DeepSpeed
+does not (the DeepSpeedExamples pipeline example, whose config is Adam lr 1e-3 and no decay,
+moved off DeepSpeed's losses from the second step: benchmarks/pipeline_example_drift.py).
+Only `"torch_adam": true` makes DeepSpeed build torch's class from the params as written,
+and then torch's default applies (AdamW 0.01, Adam 0); meshspeed does the same.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ _ALLOWED = {
     "SGD": _COMMON | {"momentum", "dampening", "nesterov", "foreach"},
 }
 _IGNORED = {"torch_adam", "bias_correction", "adam_w_mode"}  # DeepSpeed switches with no torch twin
+# (torch_adam still decides the default weight decay: Note [no weight_decay means 0])
 
 
 _NUMBERS = {"lr", "weight_decay", "eps", "momentum", "dampening"}
@@ -55,8 +67,8 @@ def build_optimizer(kind: str, params: dict[str, Any], groups: list[dict]) -> to
         return torch.optim.SGD(groups, **kwargs)
     decoupled = kind == "AdamW" or params.get("adam_w_mode", True)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    if kind == "AdamW":
-        kwargs.setdefault("weight_decay", 0.01)
+    if not params.get("torch_adam", False):  # Note [no weight_decay means 0]
+        kwargs.setdefault("weight_decay", 0.0)
     if "fused" not in kwargs and "foreach" not in kwargs and _fusable(groups):
         # torch picks its slow per-tensor loop for CPU tensors; its fused kernel runs the
         # whole update in one pass over memory (about 2.5x faster here, same arithmetic)
