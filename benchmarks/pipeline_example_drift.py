@@ -367,7 +367,7 @@ def main() -> None:
     ap.add_argument("--framework", choices=["meshspeed", "deepspeed"])
     ap.add_argument("--config")
     ap.add_argument("--out")
-    ap.add_argument("--dropout", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--dropout", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--image-size", type=int, default=64)
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 2])

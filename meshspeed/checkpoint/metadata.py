@@ -95,7 +95,7 @@ def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict
         "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                      "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
         "data": {"global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
-                 "gradient_accumulation_steps": engine.gradient_accumulation_steps,
+                 "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
                  "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
                  "dp_size": engine.dp_world_size,
                  "sampler_epoch": epoch if isinstance(epoch, int) else None},

@@ -37,7 +37,10 @@ class MeshspeedConfig(StrictModel):
     gradient_accumulation_steps: PositiveInt = 1
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
-    gradient_clipping: NonNegFloat = 0.0  # max global grad norm; 0 disables clipping
+    # max global grad norm; 0 disables clipping. The default is DeepSpeed's up to 0.19.2;
+    # DeepSpeed 0.19.3+ clips at 1.0 when the key is missing (its PR #8068): a config that
+    # relies on that says "gradient_clipping": 1.0 (tests/engine/test_example_optimizer_parity.py)
+    gradient_clipping: NonNegFloat = 0.0
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
