@@ -120,6 +120,7 @@ class Recorder(TorchDispatchMode):
         self.seq = 0
         self.held_bytes = 0  # real bytes alive for replays now
         self.peak_bytes = 0
+        self._scratch: torch.UntypedStorage | None = None
 
     # -- recording --------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -185,12 +186,15 @@ class Recorder(TorchDispatchMode):
             self.histories[_key(t)] = _History(storage, storage.nbytes(), [_Version(step.seq, created, defined)])
 
     # -- replay -----------------------------------------------------------------------------
-    def value_of(self, t: torch.Tensor, unwritten_as_zeros: bool = False) -> torch.Tensor:
+    def value_of(self, t: torch.Tensor, unwritten_as_zeros: bool = False, transient: bool = False) -> torch.Tensor:
         """The real value of a recorded tensor at the end of the record (a CPU tensor).
         Raises UninitialisedError if part of it was never written, unless
-        `unwritten_as_zeros` (then those elements are zeros)."""
+        `unwritten_as_zeros` (then those elements are zeros). A `transient` value lives in
+        a buffer the next transient value reuses (a parameter about to be sliced)."""
         ref = _Ref.of(t)
-        storage, mask = self._materialize(ref.key, self.seq + 1)
+        into = self._scratch_storage(self.histories[ref.key].nbytes) if transient and ref.key in self.histories \
+            else None
+        storage, mask = self._materialize(ref.key, self.seq + 1, into)
         try:
             if mask is not None and unwritten_as_zeros:
                 raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
@@ -199,22 +203,28 @@ class Recorder(TorchDispatchMode):
             _check_written(mask, ref, "is asked for")
             return _view(storage, ref)
         finally:
-            self._release(storage)
+            if into is None:
+                self._release(storage)
 
     def is_recorded(self, t: torch.Tensor) -> bool:
         return _is_meta(t) and _key(t) in self.histories
 
-    def _materialize(self, key: int, upto: int):
-        """The storage `key` as it was just before step `upto`, and a byte mask of what is
-        written (None when every byte is)."""
+    def _materialize(self, key: int, upto: int, into: torch.UntypedStorage | None = None):
+        """The storage `key` as it was just before step `upto` (built in `into` if given),
+        and a byte mask of what is written (None when every byte is)."""
         history = self.histories.get(key)
         if history is None:
             raise UninitialisedError("a meta tensor created outside zero.Init is used to build the model; "
                                      "create it inside the context (or as a real tensor)")
         version = [v for v in history.versions if v.start < upto][-1]
-        storage = torch.empty(history.nbytes, dtype=torch.uint8, device=CPU).untyped_storage()
-        self._hold(history.nbytes)
-        mask = None if version.defined else torch.zeros(history.nbytes, dtype=torch.bool)
+        if into is None:
+            storage = torch.empty(history.nbytes, dtype=torch.uint8, device=CPU).untyped_storage()
+            self._hold(history.nbytes)
+        else:
+            storage = into
+            self._hold(0)
+        mask = None if version.defined else torch.zeros(into.nbytes() if into is not None else history.nbytes,
+                                                        dtype=torch.bool)
         create = version.create
         if create is not None and create.func.overloadpacket not in _UNINITIALISED:
             index, ref = create.out
@@ -239,10 +249,7 @@ class Recorder(TorchDispatchMode):
                     _check_written(mask, x, f"is read by {step.func}")
                 return _view(storage, x)
             if scratch and x in step.blind and x.key in self.histories:  # old values unused
-                fresh = torch.empty(self.histories[x.key].nbytes, dtype=torch.uint8, device=CPU).untyped_storage()
-                self._hold(fresh.nbytes())
-                held.append(fresh)
-                return _view(fresh, x)
+                return _view(self._scratch_storage(self.histories[x.key].nbytes), x)
             got, got_mask = self._materialize(x.key, step.seq)
             held.append(got)
             if x not in step.blind:
@@ -276,6 +283,22 @@ class Recorder(TorchDispatchMode):
         finally:
             for s in held:
                 self._release(s)
+
+    def _scratch_storage(self, nbytes: int) -> torch.UntypedStorage:
+        """One buffer, reused by every random op's scratch run while recording (freeing
+        and reallocating one per op would leave the heap fragmented, see
+        Note [a fixed mmap threshold for CPU training] in meshspeed/runtime/malloc.py)."""
+        if self._scratch is None or self._scratch.nbytes() < nbytes:
+            self.held_bytes -= 0 if self._scratch is None else self._scratch.nbytes()
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=CPU).untyped_storage()
+            self._hold(nbytes)
+        return self._scratch
+
+    def release_scratch(self) -> None:
+        if self._scratch is not None:
+            self.held_bytes -= self._scratch.nbytes()
+            self._scratch = None
 
     def _hold(self, nbytes: int) -> None:
         self.held_bytes += nbytes
