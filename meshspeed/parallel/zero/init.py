@@ -42,7 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from meshspeed import comm
 from meshspeed.parallel.zero.init_shards import InitShards, is_partitioned
-from meshspeed.parallel.zero.replay import Recorder, UninitialisedError
+from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
 
 
 class Init:
@@ -124,16 +124,17 @@ class Init:
     @torch.no_grad()
     def _materialize(self, root: nn.Module, recorder: Recorder, shards: InitShards) -> None:
         for name, p in root.named_parameters():
-            if p.is_meta and not recorder.is_recorded(p):
-                continue  # a meta parameter from outside the context: not ours to build
+            if _is_meta(p) and not recorder.is_recorded(p):
+                raise UninitialisedError(f"zero.Init: parameter {name!r} of {type(root).__name__} is a meta "
+                                         "tensor created outside the context; it has no values to partition")
             try:
-                full = recorder.value_of(p, transient=True) if p.is_meta else p.detach()
+                full = recorder.value_of(p, transient=True) if _is_meta(p) else p.detach()
             except UninitialisedError as err:
                 raise UninitialisedError(
                     f"zero.Init: parameter {name!r} of {type(root).__name__} is never completely "
                     f"initialised while the model is built ({err}); initialise it in the module's "
                     "constructor, reset_parameters() or the model's own init function") from None
-            if p.is_meta:
+            if _is_meta(p):
                 p = _make_real(root, p, full.dtype)
             shards.adopt(p, full, self.dtype or full.dtype)
         replaced: dict[int, torch.Tensor] = {}
@@ -154,7 +155,7 @@ def _make_real(root: nn.Module, p: nn.Parameter, dtype: torch.dtype) -> nn.Param
     (ties and registrations made while building hold), else a new one in every module
     that holds it."""
     real = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=p.requires_grad)
-    real.__dict__.update(p.__dict__)  # attributes set on it while building
+    real.__dict__.update({k: v for k, v in p.__dict__.items() if k != "_is_param"})  # set while building
     try:
         torch.utils.swap_tensors(p, real)
         return p

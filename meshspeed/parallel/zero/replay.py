@@ -28,7 +28,10 @@ written before it is read (or before it is asked for) raises `UninitialisedError
 caller names the parameter. Operations that need values while building (`.item()`,
 `bool(t)`) get them by replaying what they read.
 
-This uses torch's public dispatch-mode extension point; no torch function is patched.
+Real tensors that construction mixes in (values given as Python data, `torch.tensor(...)`)
+stay real and are kept by reference in the record; they are assumed not to change before
+the end of the context. This uses torch's dispatch-mode extension point; no torch
+function is patched.
 """
 
 from __future__ import annotations
@@ -103,8 +106,38 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+_IS_META = torch.Tensor.is_meta.__get__  # the truth, past _Recorded's answer
+
+
 def _is_meta(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_meta
+    return isinstance(x, torch.Tensor) and _IS_META(x)
+
+
+class _Recorded(torch.Tensor):
+    """A tensor built under the recorder: a meta tensor that says it is not one, so that
+    code which skips meta tensors (`torch.nn.init.trunc_normal_`, `orthogonal_`,
+    `dirac_`, `sparse_`) does what it does in the ordinary build, and the recorder sees
+    it. Only `is_meta` / `is_cpu` differ; operations run on the meta tensor (and are
+    recorded) as for any tensor. `device` stays meta: a Python-level `device` that
+    differs from the tensor's makes torch's random ops draw from the CPU generator even
+    on meta tensors. (So a model that tests `weight.device.type == "meta"` itself still
+    takes its meta path under Init.)"""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def is_meta(self) -> bool:
+        return False
+
+    @property
+    def is_cpu(self) -> bool:
+        return True
+
+
+def _as_recorded(x):
+    if _is_meta(x) and type(x) is torch.Tensor:
+        return torch.Tensor._make_subclass(_Recorded, x)
+    return x
 
 
 def _ref_or_value(x):
@@ -141,7 +174,8 @@ class Recorder(TorchDispatchMode):
         out = func(*meta_args, **meta_kwargs)
         self._note_writes(step)
         self._note_outputs(step, out)
-        return out
+        inputs = {id(x) for x in flat if isinstance(x, torch.Tensor)}  # in place: returned as given
+        return tree_map(lambda t: t if id(t) in inputs else _as_recorded(t), out)
 
     def _step(self, func, args, kwargs, rng) -> _Step:
         return _Step(self.seq, func, tree_map(_ref_or_value, args), tree_map(_ref_or_value, kwargs), rng)
@@ -154,11 +188,12 @@ class Recorder(TorchDispatchMode):
                 continue
             value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
             tensors = [t for t in tree_flatten(value)[0] if _is_meta(t)]
-            written += [(t, arg.name) for t in tensors]
-        step.written = tuple(_Ref.of(t) for t, _ in written)
-        step.blind = tuple(_Ref.of(t) for t, name in written
-                           if ((func.overloadpacket in _OVERWRITES and name == "self") or name.startswith("out"))
-                           and not self._reads(step, _Ref.of(t)))
+            # out= arguments (keyword-only) are written, never read; so is the `self` of
+            # an overwriting in-place op
+            unread = arg.kwarg_only or (func.overloadpacket in _OVERWRITES and arg.name == "self")
+            written += [(_Ref.of(t), unread) for t in tensors]
+        step.written = tuple(ref for ref, _ in written)
+        step.blind = tuple(ref for ref, unread in written if unread and not self._reads(step, ref))
 
     def _note_writes(self, step: _Step) -> None:
         for ref in step.written:
@@ -314,7 +349,7 @@ def _on_meta(func, args, kwargs):
     if "device" not in names:
         return args, kwargs
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-    if inputs and not any(x.is_meta for x in inputs):
+    if inputs and not any(_is_meta(x) for x in inputs):
         return args, kwargs  # an op on real tensors (data given as Python values, say)
     i = names.index("device")
     if i < len(args):
@@ -327,7 +362,7 @@ def _on_meta(func, args, kwargs):
 def _meta_twin(x):
     # a real tensor mixed with meta ones (data given as a Python list, say): the meta run
     # only needs its shape; the record keeps the real tensor
-    if isinstance(x, torch.Tensor) and not x.is_meta and x.dim() > 0:
+    if isinstance(x, torch.Tensor) and not _is_meta(x) and x.dim() > 0:
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=META)
     return x
 
