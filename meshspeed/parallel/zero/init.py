@@ -124,6 +124,8 @@ class Init:
     @torch.no_grad()
     def _materialize(self, root: nn.Module, recorder: Recorder, shards: InitShards) -> None:
         for name, p in root.named_parameters():
+            if is_partitioned(p):
+                continue  # shared with a root built before
             if _is_meta(p) and not recorder.is_recorded(p):
                 raise UninitialisedError(f"zero.Init: parameter {name!r} of {type(root).__name__} is a meta "
                                          "tensor created outside the context; it has no values to partition")

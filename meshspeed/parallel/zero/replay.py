@@ -118,10 +118,9 @@ class _Recorded(torch.Tensor):
     code which skips meta tensors (`torch.nn.init.trunc_normal_`, `orthogonal_`,
     `dirac_`, `sparse_`) does what it does in the ordinary build, and the recorder sees
     it. Only `is_meta` / `is_cpu` differ; operations run on the meta tensor (and are
-    recorded) as for any tensor. `device` stays meta: a Python-level `device` that
-    differs from the tensor's makes torch's random ops draw from the CPU generator even
-    on meta tensors. (So a model that tests `weight.device.type == "meta"` itself still
-    takes its meta path under Init.)"""
+    recorded) as for any tensor. `device` stays meta (overriding it too was seen to make
+    torch's random ops on these meta tensors draw from the CPU generator), so a model that
+    tests `weight.device.type == "meta"` itself still takes its meta path under Init."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
