@@ -8,11 +8,40 @@ import contextlib
 
 import torch
 
-KINDS = ["gpt2", "opt", "llama", "gpt"]
+KINDS = ["gpt2", "opt", "llama", "gpt", "inits"]
 VOCAB = 64
 
 
+class Inits(torch.nn.Module):
+    """torch.nn.init's functions the way model code calls them, including those that look
+    at the values they draw (trunc_normal_ redraws until in bounds, orthogonal_ is a QR),
+    parameters made from random factories, partial and `.data` writes, a value read back
+    with `.item()`, and buffers computed while building."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.a = nn.Parameter(torch.empty(16, 8))
+        self.b = nn.Parameter(torch.empty(8, 8))
+        self.c = nn.Parameter(torch.empty(4, 4, 3))
+        self.d = nn.Parameter(torch.randn(6, 5) * 0.1)
+        self.e = nn.Embedding(10, 4, padding_idx=2)
+        self.lstm = nn.LSTM(4, 4)
+        nn.init.trunc_normal_(self.a, std=0.5, a=-0.4, b=0.4)
+        nn.init.orthogonal_(self.b)
+        nn.init.kaiming_normal_(self.c, mode="fan_out")
+        nn.init.xavier_uniform_(self.e.weight)
+        self.e.weight.data[3].uniform_(-1, 1)
+        scale = float(self.a.detach().abs().max().item())  # a value read while building
+        with torch.no_grad():
+            self.d.mul_(scale)
+        self.register_buffer("freqs", 1.0 / (100.0 ** (torch.arange(0, 8, 2).float() / 8)))
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)).bool(), persistent=False)
+
+
 def build(kind: str) -> torch.nn.Module:
+    if kind == "inits":
+        return Inits()
     if kind == "gpt":
         from meshspeed.models.gpt import GPT, GPTConfig
 

@@ -175,3 +175,18 @@ def test_uninitialised_parameter_fails_loudly_by_name(half):
 def test_unwritten_buffer_is_zeros_not_garbage():
     (scratch,) = run_distributed(_unwritten_buffer, world_size=1)
     assert torch.equal(scratch, torch.zeros(3))
+
+
+def _partition_built(kind):
+    torch.manual_seed(3)
+    model = build(kind)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    meshspeed.zero.Init(module=model)  # DeepSpeed's form for a model built before
+    placeholders = all(p.numel() == 0 and p.ds_status.name == "NOT_AVAILABLE" for p in model.parameters())
+    got = _whole(model)
+    return placeholders, all(torch.equal(got[f"param {n}"], v) for n, v in expected.items())
+
+
+def test_init_of_a_built_module():
+    for placeholders, same in run_distributed(_partition_built, world_size=2, args=("opt",)):
+        assert placeholders and same

@@ -29,6 +29,8 @@ No torch class or function is patched: the recorder is a dispatch mode, the mode
 created are found through torch's module registration hooks, and parameters keep their
 identity (their contents are swapped with `torch.utils.swap_tensors`), so ties and
 registrations made during construction (`register_external_parameter`) hold.
+
+`Init(module=model)` partitions a model built before instead (rank 0's values).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from torch.nn.modules import module as module_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 
 from meshspeed import comm
-from meshspeed.parallel.zero.init_shards import InitShards
-from meshspeed.parallel.zero.replay import Recorder, UninitialisedError
+from meshspeed.parallel.zero.init_shards import InitShards, is_partitioned
+from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
 
 
 class Init:
@@ -50,9 +52,6 @@ class Init:
                  config_dict_or_path=None, config=None, enabled: bool = True,
                  dtype: torch.dtype | None = None, remote_device=None, pin_memory: bool = False,
                  mpu=None, seed: int | None = None, **_deepspeed_options):
-        if module is not None:
-            raise NotImplementedError("zero.Init(module=...) (partitioning a model built before) is not "
-                                      "supported; build the model inside `with zero.Init():`")
         self.group = data_parallel_group
         self.enabled = enabled
         self.dtype = dtype
@@ -64,15 +63,24 @@ class Init:
         # a root as somebody's child (and leave it unpartitioned)
         self._parents: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._children: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        if module is not None and enabled:
+            self._partition_built(module)
+
+    @torch.no_grad()
+    def _partition_built(self, module: nn.Module) -> None:
+        """`Init(module=m)`: partition a model built before, from rank 0's values."""
+        _ensure_distributed()
+        shards = InitShards(self.group)
+        for p in module.parameters():
+            if not is_partitioned(p):
+                comm.broadcast(p.data, src=0, group=self.group)
+                shards.adopt(p, p.detach(), self.dtype or p.dtype)
 
     def __enter__(self):
         if not self.enabled or _recording():
             self.enabled = False  # nested in another Init: the outer one partitions
             return self
-        if not comm.is_initialized():
-            from meshspeed.runtime.distributed import init_distributed
-
-            init_distributed()
+        _ensure_distributed()
         if self.seed is not None:
             torch.manual_seed(self.seed)
         if comm.get_world_size(self.group) > 1:  # every rank builds rank 0's model
@@ -107,6 +115,7 @@ class Init:
                 for root in [m for m in list(self._parents.keys()) if m not in self._children]:
                     self._materialize(root, recorder, shards)
         finally:
+            recorder.release_scratch()
             self.peak_materialized_bytes = recorder.peak_bytes
             self._parents.clear()
             self._children.clear()
@@ -115,19 +124,20 @@ class Init:
     @torch.no_grad()
     def _materialize(self, root: nn.Module, recorder: Recorder, shards: InitShards) -> None:
         for name, p in root.named_parameters():
-            if p.is_meta and not recorder.is_recorded(p):
-                continue  # a meta parameter from outside the context: not ours to build
+            if is_partitioned(p):
+                continue  # shared with a root built before
+            if _is_meta(p) and not recorder.is_recorded(p):
+                raise UninitialisedError(f"zero.Init: parameter {name!r} of {type(root).__name__} is a meta "
+                                         "tensor created outside the context; it has no values to partition")
             try:
-                full = recorder.value_of(p) if p.is_meta else p.detach()
+                full = recorder.value_of(p, transient=True) if _is_meta(p) else p.detach()
             except UninitialisedError as err:
                 raise UninitialisedError(
                     f"zero.Init: parameter {name!r} of {type(root).__name__} is never completely "
                     f"initialised while the model is built ({err}); initialise it in the module's "
                     "constructor, reset_parameters() or the model's own init function") from None
-            if p.is_meta:
-                real = nn.Parameter(torch.empty(0, dtype=full.dtype), requires_grad=p.requires_grad)
-                real.__dict__.update(p.__dict__)  # attributes set on it while building
-                torch.utils.swap_tensors(p, real)  # same object: ties and registrations hold
+            if _is_meta(p):
+                p = _make_real(root, p, full.dtype)
             shards.adopt(p, full, self.dtype or full.dtype)
         replaced: dict[int, torch.Tensor] = {}
         for module in root.modules():
@@ -140,6 +150,30 @@ class Init:
                         value = value.to(self.dtype)
                     replaced[id(b)] = value
                 module._buffers[bname] = replaced[id(b)]
+
+
+def _make_real(root: nn.Module, p: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
+    """A CPU parameter in place of the meta one: the same object where torch allows it
+    (ties and registrations made while building hold), else a new one in every module
+    that holds it."""
+    real = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=p.requires_grad)
+    real.__dict__.update({k: v for k, v in p.__dict__.items() if k != "_is_param"})  # set while building
+    try:
+        torch.utils.swap_tensors(p, real)
+        return p
+    except RuntimeError:  # something holds a weak reference to it, or another alias
+        for m in root.modules():
+            for name, q in m._parameters.items():
+                if q is p:
+                    m._parameters[name] = real
+        return real
+
+
+def _ensure_distributed() -> None:
+    if not comm.is_initialized():
+        from meshspeed.runtime.distributed import init_distributed
+
+        init_distributed()
 
 
 def _recording() -> bool:

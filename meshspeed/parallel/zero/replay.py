@@ -28,7 +28,10 @@ written before it is read (or before it is asked for) raises `UninitialisedError
 caller names the parameter. Operations that need values while building (`.item()`,
 `bool(t)`) get them by replaying what they read.
 
-This uses torch's public dispatch-mode extension point; no torch function is patched.
+Real tensors that construction mixes in (values given as Python data, `torch.tensor(...)`)
+stay real and are kept by reference in the record; they are assumed not to change before
+the end of the context. This uses torch's dispatch-mode extension point; no torch
+function is patched.
 """
 
 from __future__ import annotations
@@ -103,8 +106,37 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+_IS_META = torch.Tensor.is_meta.__get__  # the truth, past _Recorded's answer
+
+
 def _is_meta(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_meta
+    return isinstance(x, torch.Tensor) and _IS_META(x)
+
+
+class _Recorded(torch.Tensor):
+    """A tensor built under the recorder: a meta tensor that says it is not one, so that
+    code which skips meta tensors (`torch.nn.init.trunc_normal_`, `orthogonal_`,
+    `dirac_`, `sparse_`) does what it does in the ordinary build, and the recorder sees
+    it. Only `is_meta` / `is_cpu` differ; operations run on the meta tensor (and are
+    recorded) as for any tensor. `device` stays meta (overriding it too was seen to make
+    torch's random ops on these meta tensors draw from the CPU generator), so a model that
+    tests `weight.device.type == "meta"` itself still takes its meta path under Init."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def is_meta(self) -> bool:
+        return False
+
+    @property
+    def is_cpu(self) -> bool:
+        return True
+
+
+def _as_recorded(x):
+    if _is_meta(x) and type(x) is torch.Tensor:
+        return torch.Tensor._make_subclass(_Recorded, x)
+    return x
 
 
 def _ref_or_value(x):
@@ -120,6 +152,7 @@ class Recorder(TorchDispatchMode):
         self.seq = 0
         self.held_bytes = 0  # real bytes alive for replays now
         self.peak_bytes = 0
+        self._scratch: torch.UntypedStorage | None = None
 
     # -- recording --------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -140,7 +173,8 @@ class Recorder(TorchDispatchMode):
         out = func(*meta_args, **meta_kwargs)
         self._note_writes(step)
         self._note_outputs(step, out)
-        return out
+        inputs = {id(x) for x in flat if isinstance(x, torch.Tensor)}  # in place: returned as given
+        return tree_map(lambda t: t if id(t) in inputs else _as_recorded(t), out)
 
     def _step(self, func, args, kwargs, rng) -> _Step:
         return _Step(self.seq, func, tree_map(_ref_or_value, args), tree_map(_ref_or_value, kwargs), rng)
@@ -153,11 +187,12 @@ class Recorder(TorchDispatchMode):
                 continue
             value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
             tensors = [t for t in tree_flatten(value)[0] if _is_meta(t)]
-            written += [(t, arg.name) for t in tensors]
-        step.written = tuple(_Ref.of(t) for t, _ in written)
-        step.blind = tuple(_Ref.of(t) for t, name in written
-                           if ((func.overloadpacket in _OVERWRITES and name == "self") or name.startswith("out"))
-                           and not self._reads(step, _Ref.of(t)))
+            # out= arguments (keyword-only) are written, never read; so is the `self` of
+            # an overwriting in-place op
+            unread = arg.kwarg_only or (func.overloadpacket in _OVERWRITES and arg.name == "self")
+            written += [(_Ref.of(t), unread) for t in tensors]
+        step.written = tuple(ref for ref, _ in written)
+        step.blind = tuple(ref for ref, unread in written if unread and not self._reads(step, ref))
 
     def _note_writes(self, step: _Step) -> None:
         for ref in step.written:
@@ -185,12 +220,15 @@ class Recorder(TorchDispatchMode):
             self.histories[_key(t)] = _History(storage, storage.nbytes(), [_Version(step.seq, created, defined)])
 
     # -- replay -----------------------------------------------------------------------------
-    def value_of(self, t: torch.Tensor, unwritten_as_zeros: bool = False) -> torch.Tensor:
+    def value_of(self, t: torch.Tensor, unwritten_as_zeros: bool = False, transient: bool = False) -> torch.Tensor:
         """The real value of a recorded tensor at the end of the record (a CPU tensor).
         Raises UninitialisedError if part of it was never written, unless
-        `unwritten_as_zeros` (then those elements are zeros)."""
+        `unwritten_as_zeros` (then those elements are zeros). A `transient` value lives in
+        a buffer the next transient value reuses (a parameter about to be sliced)."""
         ref = _Ref.of(t)
-        storage, mask = self._materialize(ref.key, self.seq + 1)
+        into = self._scratch_storage(self.histories[ref.key].nbytes) if transient and ref.key in self.histories \
+            else None
+        storage, mask = self._materialize(ref.key, self.seq + 1, into)
         try:
             if mask is not None and unwritten_as_zeros:
                 raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
@@ -199,22 +237,28 @@ class Recorder(TorchDispatchMode):
             _check_written(mask, ref, "is asked for")
             return _view(storage, ref)
         finally:
-            self._release(storage)
+            if into is None:
+                self._release(storage)
 
     def is_recorded(self, t: torch.Tensor) -> bool:
         return _is_meta(t) and _key(t) in self.histories
 
-    def _materialize(self, key: int, upto: int):
-        """The storage `key` as it was just before step `upto`, and a byte mask of what is
-        written (None when every byte is)."""
+    def _materialize(self, key: int, upto: int, into: torch.UntypedStorage | None = None):
+        """The storage `key` as it was just before step `upto` (built in `into` if given),
+        and a byte mask of what is written (None when every byte is)."""
         history = self.histories.get(key)
         if history is None:
             raise UninitialisedError("a meta tensor created outside zero.Init is used to build the model; "
                                      "create it inside the context (or as a real tensor)")
         version = [v for v in history.versions if v.start < upto][-1]
-        storage = torch.empty(history.nbytes, dtype=torch.uint8, device=CPU).untyped_storage()
-        self._hold(history.nbytes)
-        mask = None if version.defined else torch.zeros(history.nbytes, dtype=torch.bool)
+        if into is None:
+            storage = torch.empty(history.nbytes, dtype=torch.uint8, device=CPU).untyped_storage()
+            self._hold(history.nbytes)
+        else:
+            storage = into
+            self._hold(0)
+        mask = None if version.defined else torch.zeros(into.nbytes() if into is not None else history.nbytes,
+                                                        dtype=torch.bool)
         create = version.create
         if create is not None and create.func.overloadpacket not in _UNINITIALISED:
             index, ref = create.out
@@ -239,10 +283,7 @@ class Recorder(TorchDispatchMode):
                     _check_written(mask, x, f"is read by {step.func}")
                 return _view(storage, x)
             if scratch and x in step.blind and x.key in self.histories:  # old values unused
-                fresh = torch.empty(self.histories[x.key].nbytes, dtype=torch.uint8, device=CPU).untyped_storage()
-                self._hold(fresh.nbytes())
-                held.append(fresh)
-                return _view(fresh, x)
+                return _view(self._scratch_storage(self.histories[x.key].nbytes), x)
             got, got_mask = self._materialize(x.key, step.seq)
             held.append(got)
             if x not in step.blind:
@@ -277,6 +318,22 @@ class Recorder(TorchDispatchMode):
             for s in held:
                 self._release(s)
 
+    def _scratch_storage(self, nbytes: int) -> torch.UntypedStorage:
+        """One buffer, reused by every random op's scratch run while recording (freeing
+        and reallocating one per op would leave the heap fragmented, see
+        Note [a fixed mmap threshold for CPU training] in meshspeed/runtime/malloc.py)."""
+        if self._scratch is None or self._scratch.nbytes() < nbytes:
+            self.held_bytes -= 0 if self._scratch is None else self._scratch.nbytes()
+            self._scratch = None
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=CPU).untyped_storage()
+            self._hold(nbytes)
+        return self._scratch
+
+    def release_scratch(self) -> None:
+        if self._scratch is not None:
+            self.held_bytes -= self._scratch.nbytes()
+            self._scratch = None
+
     def _hold(self, nbytes: int) -> None:
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
@@ -291,7 +348,7 @@ def _on_meta(func, args, kwargs):
     if "device" not in names:
         return args, kwargs
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-    if inputs and not any(x.is_meta for x in inputs):
+    if inputs and not any(_is_meta(x) for x in inputs):
         return args, kwargs  # an op on real tensors (data given as Python values, say)
     i = names.index("device")
     if i < len(args):
@@ -304,7 +361,7 @@ def _on_meta(func, args, kwargs):
 def _meta_twin(x):
     # a real tensor mixed with meta ones (data given as a Python list, say): the meta run
     # only needs its shape; the record keeps the real tensor
-    if isinstance(x, torch.Tensor) and not x.is_meta and x.dim() > 0:
+    if isinstance(x, torch.Tensor) and not _is_meta(x) and x.dim() > 0:
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=META)
     return x
 
