@@ -27,13 +27,14 @@ def _z3_params_to_fetch(params):
     return [p for p in params if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
 
-def save_zero_three_model(model, global_rank: int, zero_stage: int) -> dict:
-    """How DeepSpeed-Chat saves a ZeRO-3 model: gather each partitioned parameter."""
+def save_zero_three_model(model, global_rank: int, zero_stage: int, take: str = "clone") -> dict:
+    """How DeepSpeed-Chat saves a ZeRO-3 model: gather each partitioned parameter. Its own
+    code takes `v.data.cpu()`, on a CPU run the very storage the block then releases."""
     output_state_dict = {}
     for k, v in model.named_parameters():
         if hasattr(v, "ds_id"):
             with meshspeed.zero.GatheredParameters(_z3_params_to_fetch([v]), enabled=zero_stage == 3):
-                v_p = v.data.clone()
+                v_p = v.data.clone() if take == "clone" else v.data.cpu()
         else:
             v_p = v.clone().detach()
         if global_rank == 0:
@@ -41,7 +42,7 @@ def save_zero_three_model(model, global_rank: int, zero_stage: int) -> dict:
     return output_state_dict
 
 
-def _train_and_save(kind, stage, data, under_init):
+def _train_and_save(kind, stage, data, under_init, take="clone"):
     torch.manual_seed(0)
     if under_init:
         with meshspeed.zero.Init():
@@ -54,7 +55,8 @@ def _train_and_save(kind, stage, data, under_init):
         out = loss(kind, engine, batch)
         engine.backward(out)
         engine.step()
-    saved = save_zero_three_model(engine.module, comm.get_rank(), stage)
+    saved = save_zero_three_model(engine.module, comm.get_rank(), stage, take)
+    saved = {k: v.clone() for k, v in saved.items()}  # read after every block was left
     return saved, [hasattr(p, "ds_id") for p in engine.module.parameters()]
 
 
@@ -81,6 +83,14 @@ def test_deepspeed_chat_save_gives_the_one_process_weights(kind, under_init):
     assert saved.keys() == ref.keys()
     for name, p in ref.items():
         assert saved[name].shape == p.shape, name  # full shape, not the rank's slice
+        torch.testing.assert_close(saved[name], p.detach(), rtol=0, atol=0, msg=name)
+
+
+def test_deepspeed_chat_save_with_cpu_aliases_keeps_the_values():
+    data = batches(2)
+    ref = _reference("gpt2", data)
+    (saved, _), _ = run_distributed(_train_and_save, world_size=2, args=("gpt2", 3, data, False, "cpu"))
+    for name, p in ref.items():
         torch.testing.assert_close(saved[name], p.detach(), rtol=0, atol=0, msg=name)
 
 

@@ -209,8 +209,14 @@ class FlatUnit:
                                                     async_op=True)
         self.state = ParamState.GATHERING
 
-    def release(self) -> None:
-        """Drop the full parameters, keeping only this rank's shard."""
+    def release(self, for_user: bool = False) -> None:
+        """Drop the full parameters, keeping only this rank's shard.
+
+        `for_user`: the end of a user's GatheredParameters block. Tensors taken inside it
+        may alias the full parameters (on CPU `p.data.cpu()` is the same storage, as
+        DeepSpeed-Chat's save helper does), so the unit moves to fresh storage and leaves
+        the old one to whoever still holds it, instead of freeing it under them; it is
+        freed as usual when nobody does."""
         if not self.shard_params:
             raise LifecycleError(f"unit {self.name}: parameters of stages 1-2 are never released")
         if self.state is ParamState.SHARDED:
@@ -222,7 +228,17 @@ class FlatUnit:
             self._pending = None
             if self.shard_store is not None:
                 self.shard_store.done(self)
+        if for_user:
+            self._new_flat()
         self._drop_full()
+
+    def _new_flat(self) -> None:
+        """Point the unit at a new (empty) flat buffer and new views of it."""
+        # allocated, never touched (no resident pages), then emptied: views need the size
+        self.flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        self.views = [self.flat[o : o + n].view(shape)
+                      for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.shapes)]
+        self.flat.untyped_storage().resize_(0)
 
     def _drop_full(self) -> None:
         self.flat.untyped_storage().resize_(0)

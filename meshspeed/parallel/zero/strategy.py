@@ -283,7 +283,7 @@ class Zero:
 
     def release_for_user(self, gathered: list[FlatUnit]) -> None:
         for unit in gathered:
-            unit.release()
+            unit.release(for_user=True)  # what the user took inside the block stays valid
 
     # -- user access (DeepSpeed's p.ds_* and safe_get_* helpers) -------------------------------
     def partition_view(self, param: nn.Parameter) -> PartitionView:
