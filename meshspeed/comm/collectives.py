@@ -60,11 +60,6 @@ def get_world_size(group: Any = None) -> int:
     return dist.get_world_size(group)
 
 
-def group_key(group: Any = None) -> int:
-    """The key of `group` in per-group bookkeeping (None and WORLD are the same group)."""
-    return id(group if group is not None else dist.group.WORLD)
-
-
 def set_timeout(seconds: float, group: Any = None) -> None:
     """How long a collective on `group` (default: every group made from the default one
     afterwards, and the default group itself) may wait before it fails with
@@ -127,11 +122,9 @@ class _TimedWork:
 
     def __init__(self, work: Any, op: str, group: Any, seq: int, where: tuple[str, int]) -> None:
         self._work, self._op, self._group, self._seq, self._where = work, op, group, seq, where
-        self._waited = False
         _unwaited.add(self)
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        self._waited = True
         _unwaited.discard(self)
         try:
             return self._work.wait(*args, **kwargs)

@@ -76,9 +76,14 @@ def _dtype_code(dtype: torch.dtype | None) -> int:
     return code
 
 
+def _pg(group: Any) -> Any:
+    """None means the default group: one history for both spellings."""
+    return group if group is not None else dist.group.WORLD
+
+
 def record(op: str, group: Any, tensor: torch.Tensor | None, same_shape: bool) -> tuple[int, tuple[str, int]]:
     """Note one call on `group`; return its sequence number and call location."""
-    pg = group if group is not None else dist.group.WORLD
+    pg = _pg(group)
     history = _histories.get(id(pg))
     if history is None:
         history = _histories[id(pg)] = GroupHistory(",".join(map(str, dist.get_process_group_ranks(pg))))
@@ -95,10 +100,10 @@ def record(op: str, group: Any, tensor: torch.Tensor | None, same_shape: bool) -
     return seq, where
 
 
-def take_window(key: int) -> tuple[int, int, list[Any]]:
+def take_window(group: Any) -> tuple[int, int, list[Any]]:
     """(count, digest, recent calls) of the group collectives since the last call, then
     start a new window."""
-    history = _histories.get(key)
+    history = _histories.get(id(_pg(group)))
     if history is None:
         return 0, 0, []
     window = (history.count, history.digest, list(history.recent)[-history.count:] if history.count else [])
@@ -109,7 +114,7 @@ def take_window(key: int) -> tuple[int, int, list[Any]]:
 
 def peek(group: Any) -> int:
     """How many calls this rank has issued on `group` so far."""
-    history = _histories.get(id(group if group is not None else dist.group.WORLD))
+    history = _histories.get(id(_pg(group)))
     return 0 if history is None else history.issued
 
 

@@ -40,11 +40,11 @@ def agree(what: str, counters: dict[str, int], group=None, device: torch.device 
     and issued the same group collectives since the previous agreement."""
     if not comm.is_initialized() or comm.get_world_size(group) == 1:
         return
-    count, digest, recent = sequence.take_window(comm.group_key(group))
+    count, digest, recent = sequence.take_window(group)
     values = torch.tensor([*counters.values(), count, digest], dtype=torch.int64, device=device)
     both = torch.cat([values, -values])
     comm.all_reduce(both, group=group, op="max")
-    sequence.take_window(comm.group_key(group))  # the agreement itself opens the next window
+    sequence.take_window(group)  # the agreement itself opens the next window
     n = len(values)
     if torch.equal(both[:n], -both[n:]):
         return

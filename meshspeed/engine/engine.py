@@ -55,6 +55,7 @@ class MeshspeedEngine(nn.Module):
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._micro_started = False
+        self._micro_reduces = False  # what forward told the strategy: this backward reduces
         self._backward_done = False  # a backward ran since the last step()
         self._last_loss: torch.Tensor | None = None
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
@@ -176,7 +177,8 @@ class MeshspeedEngine(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         if not self._micro_started:
-            self.strategy.begin_micro_step(self._reduces_now())
+            self._micro_reduces = self._reduces_now()
+            self.strategy.begin_micro_step(self._micro_reduces)
             self._micro_started = True
         return self.module(*inputs, **kwargs)
 
@@ -188,7 +190,7 @@ class MeshspeedEngine(nn.Module):
                 "engine.step() after every backward: it counts the micro-step and applies the "
                 f"optimizer only at the accumulation boundary (every {self.gradient_accumulation_steps} "
                 "micro-steps here)")
-        if self._no_sync and self._micro_started:  # forward counted it a boundary: it is not
+        if self._no_sync and self._micro_started and self._micro_reduces:  # forward ran before no_sync
             self.strategy.begin_micro_step(False)
         elif not self._micro_started:  # forward ran outside the engine (engine.module(...))
             self.strategy.begin_micro_step(self._reduces_now())
