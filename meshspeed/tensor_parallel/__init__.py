@@ -1,0 +1,6 @@
+"""Tensor parallelism (Megatron-LM, arXiv:1909.08053) with sequence parallelism
+(arXiv:2205.05198): layers that split their weights over a tensor-parallel process group."""
+
+from meshspeed.tensor_parallel.spec import TPShard, shards_by_name, shards_by_param
+
+__all__ = ["TPShard", "shards_by_name", "shards_by_param"]
