@@ -20,6 +20,7 @@ from meshspeed.tensor_parallel.hf import after_split, hf_plan
 from meshspeed.tensor_parallel.losses import install_loss
 from meshspeed.tensor_parallel.plan import (
     HF_LOSS,
+    KINDS,
     Assignment,
     PlanError,
     check,
@@ -79,19 +80,23 @@ def tp_axis(mesh: Any) -> tuple[Any, int, int]:
 
 
 def default_plan(model: nn.Module) -> dict:
-    """The model's own `tp_plan`, else the automatic plan for its Hugging Face family."""
-    own = getattr(model, "tp_plan", None)
-    if isinstance(own, dict) and own:
-        return own
+    """The automatic plan for a known Hugging Face family, else the model's own `tp_plan`
+    in meshspeed's form. (transformers models carry a `tp_plan` of their own, in HF's
+    "colwise"/"rowwise" words, which is not this format and is not read.)"""
     auto = hf_plan(model)
-    if auto is None:
-        kind = getattr(getattr(model, "config", None), "model_type", None)
-        family = f" (model_type {kind!r})" if kind else ""
-        raise PlanError(f"no tensor-parallel plan for {type(model).__name__}{family}: pass "
-                        f"plan={{module glob: 'column' | 'row' | 'vocab' | ...}} to "
-                        f"apply_tensor_parallel, give the model a `tp_plan` attribute, or "
-                        f"set tensor_parallel.partition_config.layer_specs in the config")
-    return auto
+    if auto is not None:
+        return auto
+    own = getattr(model, "tp_plan", None)
+    if isinstance(own, dict) and own and all(
+            (v if isinstance(v, str) else getattr(v, "kind", None) or v.get("kind")) in KINDS
+            for v in own.values()):
+        return own
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    family = f" (model_type {kind!r})" if kind else ""
+    raise PlanError(f"no tensor-parallel plan for {type(model).__name__}{family}: pass "
+                    f"plan={{module glob: 'column' | 'row' | 'vocab' | ...}} to "
+                    f"apply_tensor_parallel, give the model a `tp_plan` attribute, or "
+                    f"set tensor_parallel.partition_config.layer_specs in the config")
 
 
 def _check_loss(assignments: list[Assignment]) -> None:
