@@ -114,8 +114,11 @@ class _Splitter:
         self.model, self.group, self.tp, self.sp, self.overlap = model, group, tp, sp, overlap
         self.vocab: dict[int, nn.Module] = {}  # id(original embedding weight) -> new layer
         self.head: nn.Module | None = None
+        self.gathers: dict[str, Any] = {}  # parent module name -> its columns' SharedGather
+        self.gathered: list[str] = []  # modules whose input a boundary gathers (sp_input)
 
     def run(self, assignments: list[Assignment]) -> None:
+        self.gathered = [a.name for a in assignments if a.entry.sp_input == "gather"]
         # Embeddings first: a tied head needs the embedding's new Parameter.
         first = sorted(assignments, key=lambda a: a.entry.kind != "vocab")
         for a in first:
@@ -133,6 +136,20 @@ class _Splitter:
     def _sp(self, a: Assignment) -> bool:
         return self.sp if a.entry.sequence_parallel is None else self.sp and a.entry.sequence_parallel
 
+    def _shared_gather(self, name: str) -> Any:
+        """Sibling column layers under one parent share one sequence gather (q/k/v,
+        gate/up); SharedGather keys on the input tensor, so siblings that read different
+        inputs simply gather each their own. Under a boundary that already gathered the
+        input (sp_input="gather"), the gather is the boundary's."""
+        from meshspeed.tensor_parallel.layers import SharedGather
+
+        if any(name.startswith(g + ".") for g in self.gathered):
+            return boundaries.ALREADY_GATHERED
+        parent = name.rpartition(".")[0]
+        if parent not in self.gathers:
+            self.gathers[parent] = SharedGather(self.group)
+        return self.gathers[parent]
+
     def _build(self, a: Assignment, module: nn.Module) -> nn.Module:
         from meshspeed.tensor_parallel import layers  # the other half of the package
 
@@ -141,13 +158,13 @@ class _Splitter:
         if kind in ("column", "row"):
             layout = a.entry.weight_layout or ("in_out" if is_conv1d(module) else "out_in")
             kw = dict(sequence_parallel=sp, overlap_chunks=chunks, weight_layout=layout)
-            if kind == "column":
-                new = layers.ColumnParallelLinear.from_module(
-                    module, self.group, parts=a.parts, multiple=a.multiple,
-                    gather_output=a.entry.gather_output, **kw)
-            else:
-                new = layers.RowParallelLinear.from_module(module, self.group, **kw)
-            return new
+            if kind == "row":
+                return layers.RowParallelLinear.from_module(module, self.group, **kw)
+            if sp:
+                kw["shared_gather"] = self._shared_gather(a.name)
+            return layers.ColumnParallelLinear.from_module(
+                module, self.group, parts=a.parts, multiple=a.multiple,
+                gather_output=a.entry.gather_output, **kw)
         if kind == "vocab":
             new = layers.VocabParallelEmbedding.from_module(module, self.group,
                                                             sequence_parallel=sp)
@@ -155,25 +172,17 @@ class _Splitter:
             return new
         if kind == "vocab_head":
             tied = self.vocab.get(id(module.weight))
-            self.head = _vocab_head(layers, module, self.group, tied, sp, chunks)
+            kw = dict(sequence_parallel=sp, overlap_chunks=chunks)
+            if tied is not None:  # one Parameter, one shard, for embedding and head
+                self.head = layers.ColumnParallelLinear.tied_to(tied, **kw)
+            else:
+                self.head = layers.ColumnParallelLinear.from_module(module, self.group, **kw)
             return self.head
         if kind == "sequence_norm":
             if self.sp:
                 layers.mark_sequence_parallel(module)
             return module
         return module  # "replicate": boundary options only
-
-
-def _vocab_head(layers, module: nn.Module, group: Any, tied: nn.Module | None, sp: bool,
-                chunks: int) -> nn.Module:
-    """A column layer over the vocabulary, padded as the vocab embedding is; when the model
-    ties them, its weight IS the embedding's split Parameter (one Parameter, one shard)."""
-    head = layers.ColumnParallelLinear.from_module(module, group, sequence_parallel=sp,
-                                                   overlap_chunks=chunks)
-    if tied is not None:
-        head.weight = tied.weight
-        head.tp_shards = dict(head.tp_shards, weight=tied.tp_shards["weight"])
-    return head
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

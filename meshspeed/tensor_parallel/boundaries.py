@@ -12,9 +12,12 @@ plan marks the boundaries on modules instead (Note [HF sequence boundaries] in h
   sp_output="gather"  the module's output (a tensor, or the first item of a tuple) is
                       gathered along the sequence
 
-The gathers use gather_from_parallel (backward keeps this rank's piece), not
-all_gather_sequence (backward reduce-scatters): what follows a gather is a non-sequence-
-parallel column layer whose own backward already sums the input gradient over tp.
+An input gather is all_gather_sequence (backward reduce-scatters); the column layers
+inside the module are sequence-parallel ones told that their input is already gathered
+(`ALREADY_GATHERED` as their shared gather), so the module costs one all-gather forward
+and one reduce-scatter backward, as Megatron's q/k/v do. An output gather is
+gather_from_parallel (backward keeps this rank's piece): what reads it is a plain column
+layer (lm_head) whose own backward already sums the input gradient over tp.
 Hooks are only installed when sequence parallelism is on.
 """
 
@@ -28,14 +31,25 @@ from torch import nn
 SEQ_DIM = 1  # (B, T, hidden) everywhere a boundary is drawn
 
 
+class _AlreadyGathered:
+    """A column layer's `shared_gather` when a boundary hook gathered its input already:
+    hands the input through (the layer then does no input communication of its own)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+ALREADY_GATHERED = _AlreadyGathered()
+
+
 def install(module: nn.Module, entry: Any, group: Any, sequence_parallel: bool) -> None:
     """Add the entry's boundary hooks (none without sequence parallelism)."""
     if not sequence_parallel:
         return
-    from meshspeed.comm.differentiable import gather_from_parallel, scatter_to_parallel
+    from meshspeed.comm.differentiable import all_gather_sequence, scatter_to_parallel
 
     if entry.sp_input is not None:
-        op = scatter_to_parallel if entry.sp_input == "scatter" else gather_from_parallel
+        op = scatter_to_parallel if entry.sp_input == "scatter" else all_gather_sequence
         module.register_forward_pre_hook(_InputHook(op, group), with_kwargs=True)
     if entry.sp_output == "gather":
         module.register_forward_hook(_OutputHook(group))

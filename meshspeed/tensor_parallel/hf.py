@@ -18,12 +18,13 @@ final norm, whose output is gathered before lm_head. Two HF forwards read sizes 
 their input rather than from the projection output: Llama-style attention views q/k/v
 with `hidden_states.shape[:-1]`, and GPT-2 views the final norm's output with the
 sequence length of the input ids. So for Llama-style attention the whole sequence is
-gathered at the attention input (q/k/v are then ordinary column layers) and o_proj
-reduce-scatters it again; GPT-2's attention reads its sizes from c_attn's output, so its
-c_attn gathers as a sequence-parallel column layer does. MLPs use the sequence-parallel
-column/row pair as in Megatron. The gathers' backward keeps this rank's piece after the
-column layers have summed the input gradient (an all-reduce where a reduce-scatter would
-do: twice the bytes, on q/k/v's input and lm_head's, in exchange for HF's code unchanged).
+gathered at the attention input (one all-gather for q/k/v, reduce-scattered backward;
+boundaries.py) and o_proj reduce-scatters it again; GPT-2's attention reads its sizes
+from c_attn's output, so its c_attn gathers as a sequence-parallel column layer does.
+MLPs use the sequence-parallel column/row pair as in Megatron. The final norm's output
+is gathered for lm_head with a backward that keeps this rank's piece after lm_head has
+all-reduced its input gradient: twice the bytes of a reduce-scatter, once per step, in
+exchange for HF's code unchanged.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _lm_tail(model: nn.Module) -> dict:
 
 def _llama_plan(model: nn.Module, config) -> dict:
     p, hd = _prefix(model), _head_dim(config)
-    qkv = {"kind": "column", "multiple": hd, "sequence_parallel": False}
+    qkv = {"kind": "column", "multiple": hd}
     return {
         f"{p}embed_tokens": {"kind": "vocab", "sequence_parallel": False},
         f"{p}layers.0": {"kind": "replicate", "sp_input": "scatter"},

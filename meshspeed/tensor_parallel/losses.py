@@ -6,7 +6,7 @@ normaliser and the target logit with two small all-reduces over tp, so the (toke
 logits are never gathered. Two places a model computes its loss:
 
 * a module (the reference GPT's `loss_fn = nn.CrossEntropyLoss()`), called as
-  `loss_fn(logits (N, vocab), targets (N,))`: replaced by `VocabParallelLoss`;
+  `loss_fn(logits (N, vocab), targets (N,))`: replaced by `VocabParallelCrossEntropy`;
 * Hugging Face's `PreTrainedModel.loss_function` (a property with a setter, transformers
   4.46+): overridden by `hf_causal_lm_loss`, which shifts the labels as HF's
   `ForCausalLMLoss` does.
@@ -26,27 +26,6 @@ def vocab_range(head: nn.Module) -> tuple[int, int]:
     """(first vocabulary id this rank's logits cover, logical vocabulary size)."""
     shard = head.tp_shards["weight"]
     return shard.pieces[0][1], shard.logical_shape[shard.dim]
-
-
-class VocabParallelLoss(nn.Module):
-    """Drop-in for nn.CrossEntropyLoss on vocab-sharded logits (N, local vocab)."""
-
-    def __init__(self, group: Any, vocab_start: int, vocab_size: int, *,
-                 ignore_index: int = -100, reduction: str = "mean"):
-        super().__init__()
-        self.group, self.vocab_start, self.vocab_size = group, vocab_start, vocab_size
-        self.ignore_index, self.reduction = ignore_index, reduction
-
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        from meshspeed.tensor_parallel.layers import vocab_parallel_cross_entropy
-
-        return vocab_parallel_cross_entropy(
-            logits.float(), target, self.group, vocab_start=self.vocab_start,
-            vocab_size=self.vocab_size, ignore_index=self.ignore_index,
-            reduction=self.reduction)
-
-    def extra_repr(self) -> str:
-        return f"vocab [{self.vocab_start}, ...) of {self.vocab_size}, reduction={self.reduction}"
 
 
 class HFCausalLMLoss:
@@ -83,8 +62,10 @@ def install_loss(model: nn.Module, name: str, head: nn.Module, group: Any) -> No
     if name == HF_LOSS:
         model.loss_function = HFCausalLMLoss(group, start, size)
         return
+    from meshspeed.tensor_parallel.layers import VocabParallelCrossEntropy
+
     old = model.get_submodule(name)
-    new = VocabParallelLoss(group, start, size, ignore_index=old.ignore_index,
-                            reduction=old.reduction)
+    new = VocabParallelCrossEntropy(group, vocab_start=start, vocab_size=size,
+                                    ignore_index=old.ignore_index, reduction=old.reduction)
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
