@@ -114,7 +114,8 @@ def model_loss(setup: ParitySetup, model: nn.Module, tokens: torch.Tensor) -> to
     """Mean next-token cross-entropy of `tokens` (B, seq + 1) under the setup's model."""
     if setup.family == "gpt":
         return model(tokens[:, :-1], tokens[:, 1:])
-    return model(input_ids=tokens, labels=tokens).loss
+    ids = tokens[:, :-1]  # transformers shifts the labels itself
+    return model(input_ids=ids, labels=ids).loss
 
 
 def make_batches(setup: ParitySetup, seed: int = 1234) -> torch.Tensor:
