@@ -73,7 +73,7 @@ def _with_shards(engine, slices: list) -> list:
     by_master = {id(master_of[id(p)]): p for p in by_name.values() if id(p) in master_of}
     out = []
     for s in slices:
-        param = by_name.get(s.name) or by_master.get(id(s.key))
+        param = by_name[s.name] if s.name in by_name else by_master.get(id(s.key))
         shard = shards.get(id(param)) if param is not None else None
         if shard is not None:
             if tuple(s.shape) != shard.local_shape:
