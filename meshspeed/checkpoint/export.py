@@ -20,11 +20,16 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.checkpoint.agree import agree
 from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
-from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers, tied_aliases, tp_layout
+from meshspeed.checkpoint.snapshot import (
+    ordered_slices,
+    persistent_buffers,
+    tied_aliases,
+    tp_layout,
+)
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
 from meshspeed.checkpoint.tp_ranges import logical_shape
-from meshspeed.tensor_parallel.spec import TPShard
 from meshspeed.parallel.buckets import split_by_numel
+from meshspeed.tensor_parallel.spec import TPShard
 from meshspeed.zero import GatheredParameters
 
 GATHER_NUMEL = 2**26  # parameters gathered together (at least the largest one)

@@ -25,6 +25,7 @@ from meshspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from tests.checkpoint import tp_workers
 
 N = 2  # steps before the save; one more after the load
+EXPORTED = ("tp2dp2s1", "tp2dp1s3")  # also save_16bit_model (ZeRO-1 and ZeRO-3)
 # name -> (world, tp, stage) of the save
 SAVES = {"tp2dp2s1": (4, 2, 1), "tp4dp1s0": (4, 4, 0), "tp1dp2s2": (2, 1, 2), "tp2dp1s3": (2, 2, 3)}
 # (save, world, tp, stage) of the load
@@ -39,7 +40,7 @@ def runs(tmp_path_factory):
     for world in (4, 2):  # fewest pool switches: saves by world size, then loads
         for name, (w, tp, stage) in SAVES.items():
             if w == world:
-                export = str(root / f"{name}-16bit") if name == "tp2dp2s1" else None
+                export = str(root / f"{name}-16bit") if name in EXPORTED else None
                 run_distributed(tp_workers.save, w, args=(dirs[name], tp, stage, N, export))
     out = {"root": root, "dirs": dirs}
     out["ref"] = run_distributed(tp_workers.reference, 1, args=([N, N + 1],))[0]
@@ -116,8 +117,9 @@ def test_consolidate_convert_and_zero_to_fp32_give_logical_tensors(runs, tmp_pat
     assert all(torch.equal(z[k], expected[k]) for k in expected)
 
 
-def test_save_16bit_model_writes_logical_tensors(runs):
-    saved = load_file(str(runs["root"] / "tp2dp2s1-16bit" / "model.safetensors"))
+@pytest.mark.parametrize("name", EXPORTED)
+def test_save_16bit_model_writes_logical_tensors(runs, name):
+    saved = load_file(str(runs["root"] / f"{name}-16bit" / "model.safetensors"))
     ref = runs["ref"][N]
     assert saved.keys() == set(tp_workers.PARAMS)
     for k, (shape, _, _) in tp_workers.PARAMS.items():

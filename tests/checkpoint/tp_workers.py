@@ -57,7 +57,10 @@ class Part(nn.Module):
         self.tp_shards = {}
         for attr, name in names.items():
             shard = shard_for(name, tp_rank, tp)
-            cut = (lambda t: shard.local_from_logical(t)) if shard else (lambda t: t.clone())
+
+            def cut(t: torch.Tensor, shard=shard) -> torch.Tensor:
+                return shard.local_from_logical(t) if shard is not None else t.clone()
+
             setattr(self, attr, nn.Parameter(cut(logical(name, "init"))))
             self.register_buffer(f"{attr}_c", cut(logical(name, "c")), persistent=False)
             self.register_buffer(f"{attr}_d", cut(logical(name, "d")), persistent=False)
