@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.checkpoint.agree import agree
+from meshspeed.checkpoint.agree import agree, everywhere
 from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
 from meshspeed.checkpoint.snapshot import (
     ordered_slices,
@@ -96,7 +96,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     buffers = persistent_buffers(module)
     # logical shapes from the strategy's slices (a released ZeRO-3 parameter has numel 0
     # until gathered; a tensor-parallel one is a piece of its logical shape)
-    slices = ordered_slices(engine)
+    slices = everywhere(ordered_slices, engine)
     shapes = {s.name: logical_shape(s) for s in slices}
     tp = TPGather(slices, tp_layout(engine)[2], assemble=comm.get_rank() == 0)
     specs = []

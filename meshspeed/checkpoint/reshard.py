@@ -73,16 +73,15 @@ def plan_range(param: str, ranges: list[dict[str, Any]], start: int, end: int,
     if shard is None and not any(r.get("tp") for r in ranges):  # neither side is tp-split
         reads = [(r, [(a - start, a - r["start"], b - a)]) for r, a, b in overlaps(ranges, start, end)]
         return ReadPlan(param, start, end, end - start, reads)
-    dest = [(local - start, logical, n) for local, logical, n in tp_ranges.runs(shard, start, end)]
-    if not dest:
-        return ReadPlan(param, start, end, 0, [])
+    wanted = tp_ranges.Wanted([(local - start, logical, n)
+                               for local, logical, n in tp_ranges.runs(shard, start, end)])
     reads = []
-    for r in ranges:
+    for r in ranges if wanted.numel else ():
         src = tp_ranges.runs(saved_shard(r), r["start"], r["end"])
-        copies = tp_ranges.intersect(dest, src, tp_ranges.file_offsets(src))
+        copies = tp_ranges.intersect(wanted, src, tp_ranges.file_offsets(src))
         if copies:
             reads.append((r, copies))
-    return ReadPlan(param, start, end, tp_ranges.held(dest), reads)
+    return ReadPlan(param, start, end, wanted.numel, reads)
 
 
 class SavedTensors:

@@ -68,6 +68,7 @@ def _with_shards(engine, slices: list) -> list:
     shards = shards_by_param(engine.module)
     if not shards:
         return slices
+    tp_rank, tp_size, _ = tp_layout(engine)
     by_name = dict(engine.module.named_parameters())
     master_of = getattr(engine.strategy, "master_of", {})
     by_master = {id(master_of[id(p)]): p for p in by_name.values() if id(p) in master_of}
@@ -76,6 +77,10 @@ def _with_shards(engine, slices: list) -> list:
         param = by_name[s.name] if s.name in by_name else by_master.get(id(s.key))
         shard = shards.get(id(param)) if param is not None else None
         if shard is not None:
+            if (shard.tp_rank, shard.tp_size) != (tp_rank, tp_size):
+                raise CheckpointError(f"parameter {s.name!r} is tp rank {shard.tp_rank}'s piece of "
+                                      f"{shard.tp_size}, but this rank is tp rank {tp_rank} of "
+                                      f"{tp_size} (engine.topology)")
             if tuple(s.shape) != shard.local_shape:
                 raise CheckpointError(f"parameter {s.name!r} has shape {tuple(s.shape)} but its "
                                       f"tensor-parallel shard says {shard.local_shape} (of logical "

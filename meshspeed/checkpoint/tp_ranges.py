@@ -78,14 +78,22 @@ def file_offsets(run_list: list[Run]) -> list[int]:
     return out
 
 
-def intersect(dest: list[Run], src: list[Run], src_offsets: list[int]) -> list[Copy]:
-    """Copies that bring the elements `src` holds into the places `dest` wants them.
+class Wanted:
+    """The runs a rank needs (local starts relative to its buffer), sorted by logical start
+    once, to intersect with many saved ranges."""
 
-    dest: the runs a rank needs, their local starts relative to its buffer; src: the runs a
-    saved range holds, with the file offset of each. Returns (offset in the destination
-    buffer, offset in the saved tensor, length), in saved-tensor order."""
-    by_logical = sorted(dest, key=lambda r: r[1])
-    starts = [r[1] for r in by_logical]
+    def __init__(self, dest: list[Run]):
+        self.runs = sorted(dest, key=lambda r: r[1])
+        self.starts = [r[1] for r in self.runs]
+        self.numel = held(dest)
+
+
+def intersect(wanted: Wanted, src: list[Run], src_offsets: list[int]) -> list[Copy]:
+    """Copies that bring the elements `src` holds into the places `wanted` needs them.
+
+    src: the runs a saved range holds, with the file offset of each. Returns (offset in the
+    destination buffer, offset in the saved tensor, length), in saved-tensor order."""
+    by_logical, starts = wanted.runs, wanted.starts
     out: list[Copy] = []
     for (_, s_logical, s_len), s_file in zip(src, src_offsets):
         s_end = s_logical + s_len

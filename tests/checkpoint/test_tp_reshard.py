@@ -124,3 +124,9 @@ def test_save_16bit_model_writes_logical_tensors(runs, name):
     assert saved.keys() == set(tp_workers.PARAMS)
     for k, (shape, _, _) in tp_workers.PARAMS.items():
         assert torch.equal(saved[k], ref[k]["master"].view(shape)), k
+
+
+def test_shards_without_a_matching_topology_fail_on_every_rank(tmp_path):
+    errors = run_distributed(tp_workers.save_without_topology, 2, args=(str(tmp_path / "x"),))
+    assert errors[0] == errors[1] and errors[0] is not None and "\n" not in errors[0]
+    assert "'col.weight' is tp rank 0's piece of 2" in errors[0] and "engine.topology" in errors[0]

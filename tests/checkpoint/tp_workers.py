@@ -179,3 +179,16 @@ def load_error(save_dir: str, tp: int, stage: int) -> str | None:
     except CheckpointError as err:
         return str(err)
     return None
+
+
+def save_without_topology(save_dir: str) -> str | None:
+    """Layers announce tp=2 pieces but the engine has no topology: a one-line error."""
+    from meshspeed.checkpoint import CheckpointError
+
+    engine = tp_engine(2, 1)
+    engine.topology = None
+    try:
+        engine.save_checkpoint(save_dir)
+    except CheckpointError as err:
+        return str(err)
+    return None
