@@ -3,7 +3,9 @@
 No process group is needed. `convert` holds one parameter at a time: the output header
 is written first (shapes and dtypes are in meta.json), then each parameter is assembled
 from the saved ranges, converted, written and dropped, so the extra memory stays near the
-largest parameter (in fp32, plus its converted copy) however large the model is.
+largest parameter (in fp32, plus its converted copy) however large the model is. A
+tensor-parallel checkpoint gives logical (whole) tensors: each is assembled from every tp
+rank's pieces (Note [tensor-parallel ranges] in tp_ranges.py), in bounded reads.
 """
 
 from __future__ import annotations

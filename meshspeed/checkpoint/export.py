@@ -3,7 +3,9 @@
 Under ZeRO-3 the parameters are gathered a few at a time with `GatheredParameters`
 (consecutive parameters, about one transformer block per gather), and rank 0 streams
 each group to the file before the next is gathered: the file holds real weights (never
-the empty placeholders of released parameters), and no rank holds the whole model.
+the empty placeholders of released parameters), and no rank holds the whole model. Under
+tensor parallelism each split parameter is all-gathered over the tp group as well, and
+rank 0 writes the logical (whole) tensor.
 """
 
 from __future__ import annotations
@@ -12,14 +14,22 @@ import math
 import os
 from collections import defaultdict
 
+import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.checkpoint.agree import agree
+from meshspeed.checkpoint.agree import agree, everywhere
 from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
-from meshspeed.checkpoint.snapshot import persistent_buffers, tied_aliases
+from meshspeed.checkpoint.snapshot import (
+    ordered_slices,
+    persistent_buffers,
+    tied_aliases,
+    tp_layout,
+)
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
+from meshspeed.checkpoint.tp_ranges import logical_shape
 from meshspeed.parallel.buckets import split_by_numel
+from meshspeed.tensor_parallel.spec import TPShard
 from meshspeed.zero import GatheredParameters
 
 GATHER_NUMEL = 2**26  # parameters gathered together (at least the largest one)
@@ -41,18 +51,54 @@ def _open(path: str, specs: list[Spec]) -> TensorFileWriter:
     return TensorFileWriter(path, specs, metadata={"format": "pt"})
 
 
+class TPGather:
+    """Whole (logical) tensors from the tensor-parallel pieces of the split parameters.
+
+    Collective over the tp group, one all-gather per split parameter; only the rank that
+    writes assembles the logical tensor (the others drop what they received)."""
+
+    def __init__(self, slices, group, assemble: bool):
+        self.group, self.assemble = group, assemble
+        mine = {s.name: s.tp.to_json() for s in slices if s.tp is not None}
+        # each peer's shard (local sizes may differ between tp ranks)
+        self.peers = ([] if group is None else
+                      [{n: TPShard.from_json(d) for n, d in p.items()}
+                       for p in comm.all_gather_object(mine, group=group)])
+        self.split = set(mine)
+
+    def whole(self, name: str, local: torch.Tensor) -> torch.Tensor | None:
+        if name not in self.split:
+            return local
+        shards = [peer[name] for peer in self.peers]
+        numel = max(math.prod(s.local_shape) for s in shards)
+        flat = local.new_zeros(numel)
+        flat[: local.numel()].copy_(local.reshape(-1))
+        received = [torch.empty_like(flat) for _ in shards]
+        comm.all_gather(received, flat, group=self.group)
+        if not self.assemble:
+            return None
+        full = local.new_zeros(shards[0].logical_shape)
+        for shard, got in zip(shards, received):
+            shard.logical_into(got[: math.prod(shard.local_shape)].view(shard.local_shape), full)
+        return full
+
+
 def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> str:
     """Write the module's state_dict (compute dtype; tied names included) to one file.
 
-    Collective (gathers under ZeRO-3); rank 0 writes. Returns the file's path."""
+    Collective (gathers under ZeRO-3, and the tensor-parallel pieces over the tp group: the
+    file holds logical, whole tensors); rank 0 writes. Returns the file's path."""
     module = engine.module
     named = list(module.named_parameters())
     aliases_of = defaultdict(list)
     for alias, name in tied_aliases(module).items():
         aliases_of[name].append(alias)
     buffers = persistent_buffers(module)
-    # full shapes from the strategy: a released ZeRO-3 parameter has numel 0 until gathered
-    shapes = {s.name: tuple(s.shape) for s in engine.strategy.owned_slices()}
+    # logical shapes from the strategy's slices (a released ZeRO-3 parameter has numel 0
+    # until gathered; a tensor-parallel one is a piece of its logical shape)
+    slices = everywhere(ordered_slices, engine)
+    shapes = {s.name: logical_shape(s) for s in slices}
+    tp = TPGather(slices, tp_layout(engine)[2], assemble=comm.get_rank() == 0)
     specs = []
     for name, p in named:
         specs += [Spec(n, p.dtype, shapes[name]) for n in [name, *aliases_of[name]]]
@@ -66,12 +112,13 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
             error = err
     for group in _groups(named, shapes):  # every rank joins every gather, even after a write error
         with GatheredParameters([p for _, p in group]):
+            whole = [(name, tp.whole(name, p.detach())) for name, p in group]
             if writer is None or error is not None:
                 continue
             try:
-                for name, p in group:
+                for name, t in whole:
                     for n in [name, *aliases_of[name]]:
-                        writer.write(n, p.detach())
+                        writer.write(n, t)
             except Exception as err:  # noqa: BLE001
                 error = err
     if writer is not None and error is None:

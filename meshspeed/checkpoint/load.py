@@ -2,8 +2,9 @@
 
 Steps (collective; a failure on any rank raises on all): finish a save in flight; find
 the tag and read meta.json; check every file's size and SHA-256 (shared among ranks);
-check the model matches; read each owned master range (Note [resharding is range
-intersection] in reshard.py) and let the strategy rebuild the parameters; then optimizer
+check the model matches (logical shapes); read each owned master range (Note [resharding
+is range intersection] in reshard.py; under tensor parallelism Note [tensor-parallel
+ranges] in tp_ranges.py) and let the strategy rebuild the parameters; then optimizer
 state the same way, LR schedule, loss scale, counters, data position and RNG.
 """
 
@@ -22,8 +23,9 @@ from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import CLIENT_TENSORS, resolve
-from meshspeed.checkpoint.reshard import SavedTensors, overlaps, verify_files
-from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers
+from meshspeed.checkpoint.reshard import ReadPlan, SavedTensors, verify_files
+from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers, tp_layout
+from meshspeed.checkpoint.tp_ranges import logical_shape
 
 log = logging.getLogger("meshspeed")
 
@@ -38,11 +40,11 @@ def _open(load_dir, tag) -> tuple[str, dict]:
 def match_model(path: str, meta: dict, slices, strict: bool) -> list:
     """The slices to load; a one-line error for the first parameter that does not fit."""
     saved = meta["params"]
-    for s in slices:
-        if s.name in saved and tuple(saved[s.name]["shape"]) != tuple(s.shape):
+    for s in slices:  # logical (whole) shapes on both sides, whatever the tensor parallelism
+        if s.name in saved and tuple(saved[s.name]["shape"]) != logical_shape(s):
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model: parameter {s.name!r} has shape "
-                f"{tuple(saved[s.name]['shape'])} in the checkpoint but {tuple(s.shape)} in the model")
+                f"{tuple(saved[s.name]['shape'])} in the checkpoint but {logical_shape(s)} in the model")
     missing = [s.name for s in slices if s.name not in saved]
     unexpected = [n for n in saved if n not in {s.name for s in slices}]
     if strict and (missing or unexpected):
@@ -58,10 +60,15 @@ def match_model(path: str, meta: dict, slices, strict: bool) -> list:
     return [s for s in slices if s.name in saved]
 
 
-def _load_weights(engine, store: SavedTensors, slices) -> None:
+def plan_reads(store: SavedTensors, slices) -> dict[str, ReadPlan]:
+    """Per slice, what to read from which saved range (shared by master and optimizer state)."""
+    return {s.name: store.plan(s.name, s.start, s.end, s.tp) for s in slices}
+
+
+def _load_weights(engine, store: SavedTensors, slices, plans: dict[str, ReadPlan]) -> None:
     with torch.no_grad():
         for s in slices:
-            store.fill(s.name, "master", s.start, s.end, s.master)
+            store.fill_planned(plans[s.name], "master", s.master)
         buffers = persistent_buffers(engine.module)
         rank0_file = next(r["file"] for r in store.meta["ranks"] if r["rank"] == 0)
         for name, info in store.meta["buffers"].items():
@@ -97,7 +104,7 @@ def _scalar(saved: dict[str, Any], device: torch.device) -> Any:
     return t.to(device) if saved.get("on_device") else t
 
 
-def _load_optimizer(engine, store: SavedTensors, slices, path: str) -> None:
+def _load_optimizer(engine, store: SavedTensors, slices, plans: dict[str, ReadPlan], path: str) -> None:
     opt = engine.optimizer
     _restore_groups(opt, store.meta, path)
     tracked = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -106,8 +113,7 @@ def _load_optimizer(engine, store: SavedTensors, slices, path: str) -> None:
         if id(s.key) not in tracked or "optimizer_scalars" not in entry:
             continue  # frozen now, or never stepped when saved
         keys = entry["ranges"][0]["optimizer"]
-        hits = list(overlaps(entry["ranges"], s.start, s.end))
-        if any(set(r["optimizer"]) != set(keys) for r, _, _ in hits):
+        if any(set(r["optimizer"]) != set(keys) for r in plans[s.name].ranges):
             raise CheckpointError(f"checkpoint {path}: optimizer state of {s.name!r} differs "
                                   "between ranks; pass load_optimizer_states=False")
         state: dict[str, Any] = {k: _scalar(v, s.key.device)
@@ -115,7 +121,7 @@ def _load_optimizer(engine, store: SavedTensors, slices, path: str) -> None:
         for k in keys:
             t = torch.empty(s.key.shape, dtype=store.saved_dtype(s.name, f"optim/{k}"),
                             device=s.key.device)
-            store.fill(s.name, f"optim/{k}", s.start, s.end, t)
+            store.fill_planned(plans[s.name], f"optim/{k}", t)
             state[k] = t
         opt.state[s.key] = state
 
@@ -160,21 +166,22 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     pending.wait_for_pending(engine)
     path, meta = everywhere(_open, load_dir, tag)
     same_everywhere("checkpoint to load", os.path.abspath(path))
-    slices = ordered_slices(engine)
+    slices = everywhere(ordered_slices, engine)
     slices = everywhere(match_model, path, meta, slices, load_module_strict)
     store = SavedTensors(path, meta)
-    everywhere(_load_weights, engine, store, slices)
+    plans = everywhere(plan_reads, store, slices)
+    everywhere(_load_weights, engine, store, slices, plans)
     engine.strategy.sync_params_from_masters()
     if not load_module_only:
         if load_optimizer_states:
-            everywhere(_load_optimizer, engine, store, slices, path)
+            everywhere(_load_optimizer, engine, store, slices, plans, path)
         everywhere(_load_loop_state, engine, meta, store, load_lr_scheduler_states,
                    load_optimizer_states)
     client_state = everywhere(_client_state, meta, store)
     if comm.get_rank() == 0:
         layout = meta["layout"]
-        log.info("loaded %s (saved at dp=%d, ZeRO stage %d; now dp=%d, stage %d)", path,
-                 layout["dp_size"], layout["zero_stage"], engine.dp_world_size,
-                 engine.config.zero_stage)
+        log.info("loaded %s (saved at tp=%d x dp=%d, ZeRO stage %d; now tp=%d x dp=%d, stage %d)",
+                 path, layout.get("tp_size", 1), layout["dp_size"], layout["zero_stage"],
+                 tp_layout(engine)[1], engine.dp_world_size, engine.config.zero_stage)
     return path, client_state
 

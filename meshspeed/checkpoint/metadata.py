@@ -3,12 +3,17 @@
 Written by global rank 0 once every rank's file is durable. Its parts:
 
     format, version, tag, created
-    layout        how the run that saved was laid out: world_size, dp_size, zero_stage,
-                  compute_dtype (informative: loading never needs it to match)
-    params        name -> shape, dtype, requires_grad, and `ranges`: which rank's file holds
-                  which flat element range [start, end) of the fp32 master, with the names
-                  of the optimizer state tensors saved for that range and the scalar
-                  optimizer state ("step") of the parameter
+    layout        how the run that saved was laid out: world_size, dp_size, tp_size,
+                  zero_stage, compute_dtype (informative: loading never needs it to match)
+    params        name -> LOGICAL (whole) shape, dtype, requires_grad, and `ranges`: which
+                  rank's file holds which flat element range [start, end) of the fp32
+                  master, with the names of the optimizer state tensors saved for that
+                  range and the scalar optimizer state ("step") of the parameter. Under
+                  tensor parallelism a range of a split parameter also has `tp` (the
+                  TPShard, `TPShard.to_json()`): [start, end) is then of that tp rank's
+                  local piece, and the saved tensor holds the range's elements without
+                  the padding (Note [tensor-parallel ranges] in tp_ranges.py); a range
+                  without `tp` is of the logical parameter
     aliases       tied parameters: state_dict name -> the name saved under `params`
     buffers       persistent buffers (in rank 0's file)
     optimizer     class name and param groups (options + parameter names)
@@ -29,6 +34,8 @@ import torch
 from meshspeed.checkpoint.atomic import read_json
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.paths import META
+from meshspeed.checkpoint.tp_ranges import logical_shape, pieces_cover
+from meshspeed.tensor_parallel.spec import TPShard
 
 FORMAT = "meshspeed-checkpoint"
 VERSION = 1
@@ -64,7 +71,7 @@ def json_options(options: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict[str, torch.Tensor],
-                client_json: Any, client_keys: list[str]) -> dict[str, Any]:
+                client_json: Any, client_keys: list[str], tp_size: int = 1) -> dict[str, Any]:
     """The rank-independent part of meta.json, built on rank 0 at save time."""
     from meshspeed import comm
 
@@ -83,9 +90,9 @@ def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict
         "tag": tag,
         "created": time.time(),
         "layout": {"world_size": comm.get_world_size(), "dp_size": engine.dp_world_size,
-                   "zero_stage": engine.config.zero_stage,
+                   "tp_size": tp_size, "zero_stage": engine.config.zero_stage,
                    "compute_dtype": dtype_name(engine.config.precision_dtype)},
-        "params": {s.name: {"shape": list(s.shape), "dtype": dtype_name(s.dtype),
+        "params": {s.name: {"shape": list(logical_shape(s)), "dtype": dtype_name(s.dtype),
                             "requires_grad": bool(s.requires_grad), "ranges": []} for s in slices},
         "aliases": aliases,
         "buffers": {k: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for k, b in buffers.items()},
@@ -112,26 +119,70 @@ def merge_rank(meta: dict[str, Any], info: dict[str, Any]) -> None:
     rank, file = info["rank"], info["file"]
     for name, r in info["ranges"].items():
         entry = meta["params"][name]
-        entry["ranges"].append({"rank": rank, "file": file, "start": r["start"], "end": r["end"],
-                                "optimizer": r["optimizer"]})
+        saved = {"rank": rank, "file": file, "start": r["start"], "end": r["end"],
+                 "optimizer": r["optimizer"]}
+        if r.get("tp"):
+            saved["tp"] = r["tp"]
+        entry["ranges"].append(saved)
         if (r["optimizer"] or r["scalars"]) and "optimizer_scalars" not in entry:  # has state
             entry["optimizer_scalars"] = r["scalars"]
     meta["ranks"].append({"rank": rank, "file": file, "rng": info["rng"]})
     meta["files"][file] = {"bytes": info["bytes"], "sha256": info["sha256"]}
 
 
+def _chain(ranges: list[dict[str, Any]], numel: int) -> int:
+    """How far the ranges, sorted, cover [0, numel) without a gap (numel when all of it)."""
+    pos = 0
+    for r in sorted(ranges, key=lambda r: r["start"]):
+        if r["start"] != pos:
+            break
+        pos = r["end"]
+    return pos
+
+
 def check_coverage(meta: dict[str, Any]) -> None:
-    """Every element of every parameter is in exactly one saved range."""
+    """Every element of every parameter is in exactly one saved range: of the logical
+    parameter, or, for a tensor-parallel one, of each tp rank's local piece, and the
+    pieces cover the logical parameter (Note [tensor-parallel ranges])."""
     for name, p in meta["params"].items():
-        numel = math.prod(p["shape"])
-        pos = 0
-        for r in sorted(p["ranges"], key=lambda r: r["start"]):
-            if r["start"] != pos:
-                break
-            pos = r["end"]
-        if pos != numel:
+        split = [r for r in p["ranges"] if r.get("tp")]
+        if not split:
+            numel = math.prod(p["shape"])
+            pos = _chain(p["ranges"], numel)
+            if pos != numel:
+                raise CheckpointError(f"checkpoint metadata is inconsistent: parameter {name!r} has "
+                                      f"saved ranges covering [0, {pos}) of {numel} elements")
+            continue
+        if len(split) != len(p["ranges"]):
             raise CheckpointError(f"checkpoint metadata is inconsistent: parameter {name!r} has "
-                                  f"saved ranges covering [0, {pos}) of {numel} elements")
+                                  "ranges with and without a tensor-parallel shard")
+        by_rank: dict[int, list[dict[str, Any]]] = {}
+        for r in split:
+            by_rank.setdefault(int(r["tp"]["tp_rank"]), []).append(r)
+        shards = []
+        for tp_rank, ranges in sorted(by_rank.items()):
+            try:
+                shard = TPShard.from_json(ranges[0]["tp"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise CheckpointError(f"checkpoint metadata is inconsistent: parameter {name!r} has "
+                                      f"a bad tensor-parallel shard: {_one_line(err)}") from None
+            if any(r["tp"] != ranges[0]["tp"] for r in ranges) or list(shard.logical_shape) != list(p["shape"]):
+                raise CheckpointError(f"checkpoint metadata is inconsistent: parameter {name!r} of "
+                                      f"shape {tuple(p['shape'])} has differing shards for tp rank {tp_rank}")
+            numel = math.prod(shard.local_shape)
+            pos = _chain(ranges, numel)
+            if pos != numel:
+                raise CheckpointError(f"checkpoint metadata is inconsistent: parameter {name!r} has "
+                                      f"saved ranges covering [0, {pos}) of the {numel} elements of "
+                                      f"tp rank {tp_rank}'s piece")
+            shards.append(shard)
+        problem = pieces_cover(shards)
+        if problem:
+            raise CheckpointError(f"checkpoint metadata is inconsistent: parameter {name!r}: {problem}")
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
 
 
 def read_meta(path: str) -> dict[str, Any]:

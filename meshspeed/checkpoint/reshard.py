@@ -6,27 +6,82 @@ it (one range per writing rank: all of it under stage 0, ceil(numel/N)-sized pie
 ZeRO). A loading rank needs its own range [a, b) in the new layout; it reads the
 intersection of [a, b) with each saved range, straight into the destination. This is the
 whole of resharding: no stage or world size appears, so (dp=a, stage=s) -> (dp=b, stage=t)
-needs no conversion step, and each rank reads only the bytes it will keep.
+needs no conversion step, and each rank reads only the bytes it will keep. Under tensor
+parallelism the ranges are of each rank's local piece; Note [tensor-parallel ranges] in
+tp_ranges.py maps both sides to logical positions, and the intersection is taken there.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from meshspeed.checkpoint import tp_ranges
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.tensorfile import TensorFile, sha256_file
+from meshspeed.checkpoint.tp_ranges import Copy
+from meshspeed.tensor_parallel.spec import TPShard
 
 
 def overlaps(ranges: list[dict[str, Any]], start: int, end: int) -> Iterator[tuple[dict, int, int]]:
-    """(saved range, a, b) for each saved range meeting [start, end); [a, b) is the overlap."""
+    """(saved range, a, b) for each saved range meeting [start, end); [a, b) is the overlap.
+
+    Flat positions of one tensor: for parameters no side splits with tensor parallelism."""
     for r in ranges:
         a, b = max(start, r["start"]), min(end, r["end"])
         if a < b:
             yield r, a, b
+
+
+def saved_shard(r: dict[str, Any]) -> TPShard | None:
+    """The tensor-parallel shard a saved range was cut from (None: not split)."""
+    return TPShard.from_json(r["tp"]) if r.get("tp") else None
+
+
+@dataclass
+class ReadPlan:
+    """How to fill elements [start, end) of one rank's local parameter from a checkpoint:
+    per saved range meeting it, the copies (offset in the destination, offset in the saved
+    tensor, length). The same plan serves the master and every optimizer state tensor."""
+
+    param: str
+    start: int
+    end: int
+    wanted: int  # destination elements that are not tensor-parallel padding
+    reads: list[tuple[dict[str, Any], list[Copy]]]
+
+    @property
+    def ranges(self) -> list[dict[str, Any]]:
+        return [r for r, _ in self.reads]
+
+
+# Reads of a saved tensor: neighbours closer than READ_GAP elements share one read, and no
+# read is longer than READ_LIMIT elements (a bound on the temporary buffer), so a dim-1
+# split reads a bounded superset in a few large reads instead of one read per row.
+READ_GAP = 1 << 16
+READ_LIMIT = 1 << 22
+
+
+def plan_range(param: str, ranges: list[dict[str, Any]], start: int, end: int,
+               shard: TPShard | None) -> ReadPlan:
+    """Note [resharding is range intersection], generalized by Note [tensor-parallel ranges]:
+    elements [start, end) of the local parameter cut by `shard` (None: the logical one)."""
+    if shard is None and not any(r.get("tp") for r in ranges):  # neither side is tp-split
+        reads = [(r, [(a - start, a - r["start"], b - a)]) for r, a, b in overlaps(ranges, start, end)]
+        return ReadPlan(param, start, end, end - start, reads)
+    wanted = tp_ranges.Wanted([(local - start, logical, n)
+                               for local, logical, n in tp_ranges.runs(shard, start, end)])
+    reads = []
+    for r in ranges if wanted.numel else ():
+        src = tp_ranges.runs(saved_shard(r), r["start"], r["end"])
+        copies = tp_ranges.intersect(wanted, src, tp_ranges.file_offsets(src))
+        if copies:
+            reads.append((r, copies))
+    return ReadPlan(param, start, end, wanted.numel, reads)
 
 
 class SavedTensors:
@@ -42,18 +97,36 @@ class SavedTensors:
             self._files[name] = TensorFile(os.path.join(self.path, name))
         return self._files[name]
 
-    def fill(self, param: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
-        """Elements [start, end) of `kind` ("master" or "optim/<state>") of `param` -> out."""
-        ranges = self.meta["params"][param]["ranges"]
+    def plan(self, param: str, start: int, end: int, shard: TPShard | None = None) -> ReadPlan:
+        return plan_range(param, self.meta["params"][param]["ranges"], start, end, shard)
+
+    def fill(self, param: str, kind: str, start: int, end: int, out: torch.Tensor,
+             shard: TPShard | None = None) -> None:
+        """Elements [start, end) of `kind` ("master" or "optim/<state>") of `param` -> out,
+        for the local parameter cut by `shard` (None: the whole logical parameter)."""
+        self.fill_planned(self.plan(param, start, end, shard), kind, out)
+
+    def fill_planned(self, plan: ReadPlan, kind: str, out: torch.Tensor) -> None:
         flat = out.view(-1)
+        if plan.wanted < plan.end - plan.start:
+            flat.zero_()  # tensor-parallel padding: in no saved range, kept at zero
+        key = f"{kind}/{plan.param}"
         covered = 0
-        for r, a, b in overlaps(ranges, start, end):
+        for r, copies in plan.reads:
             f = self.file(r["file"])
-            f.read_into(f"{kind}/{param}", a - r["start"], b - r["start"], flat[a - start : b - start])
-            covered += b - a
-        if covered != end - start:
-            raise CheckpointError(f"{self.path}: elements [{start}, {end}) of {param!r} are not all "
-                                  "in the checkpoint; it is incomplete")
+            for lo, hi, group in tp_ranges.coalesce(copies, READ_GAP, READ_LIMIT):
+                if len(group) == 1:  # straight into the destination
+                    d, src, n = group[0]
+                    f.read_into(key, src, src + n, flat[d : d + n])
+                else:
+                    buf = torch.empty(hi - lo, dtype=f.entry(key).dtype)
+                    f.read_into(key, lo, hi, buf)
+                    for d, src, n in group:
+                        flat[d : d + n].copy_(buf[src - lo : src - lo + n])
+                covered += sum(n for _, _, n in group)
+        if covered != plan.wanted:
+            raise CheckpointError(f"{self.path}: elements [{plan.start}, {plan.end}) of "
+                                  f"{plan.param!r} are not all in the checkpoint; it is incomplete")
 
     def saved_dtype(self, param: str, kind: str) -> torch.dtype:
         r = self.meta["params"][param]["ranges"][0]

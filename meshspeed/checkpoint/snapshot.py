@@ -7,17 +7,19 @@ may change the originals while a background thread writes the copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.checkpoint import tp_ranges
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import capture_rng, encode_client_state
 from meshspeed.checkpoint.metadata import global_meta
 from meshspeed.checkpoint.paths import rank_file
+from meshspeed.tensor_parallel.spec import shards_by_param
 
 
 @dataclass
@@ -50,10 +52,60 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def tp_layout(engine) -> tuple[int, int, object]:
+    """(tp coordinate, tp size, tp group) of this rank; (0, 1, None) without tensor parallelism."""
+    topo = getattr(engine, "topology", None)
+    if topo is None or topo.size("tp") == 1:
+        return 0, 1, None
+    return topo.coord("tp"), topo.size("tp"), topo.group("tp")
+
+
+def _with_shards(engine, slices: list) -> list:
+    """The slices with `tp` filled from the layers' `tp_shards` (strategies leave it None).
+
+    A slice is matched to its parameter by name, or else through the strategy's
+    parameter -> master map (its `key` is the optimizer's tensor)."""
+    shards = shards_by_param(engine.module)
+    if not shards:
+        return slices
+    tp_rank, tp_size, _ = tp_layout(engine)
+    by_name = dict(engine.module.named_parameters())
+    master_of = getattr(engine.strategy, "master_of", {})
+    by_master = {id(master_of[id(p)]): p for p in by_name.values() if id(p) in master_of}
+    out = []
+    for s in slices:
+        param = by_name[s.name] if s.name in by_name else by_master.get(id(s.key))
+        shard = shards.get(id(param)) if param is not None else None
+        if shard is not None:
+            if (shard.tp_rank, shard.tp_size) != (tp_rank, tp_size):
+                raise CheckpointError(f"parameter {s.name!r} is tp rank {shard.tp_rank}'s piece of "
+                                      f"{shard.tp_size}, but this rank is tp rank {tp_rank} of "
+                                      f"{tp_size} (engine.topology)")
+            if tuple(s.shape) != shard.local_shape:
+                raise CheckpointError(f"parameter {s.name!r} has shape {tuple(s.shape)} but its "
+                                      f"tensor-parallel shard says {shard.local_shape} (of logical "
+                                      f"{shard.logical_shape})")
+            s = replace(s, tp=shard)
+        out.append(s)
+    return out
+
+
 def ordered_slices(engine) -> list:
-    """The strategy's owned slices in `module.named_parameters()` order."""
+    """The strategy's owned slices in `module.named_parameters()` order, each with its
+    tensor-parallel shard (`OwnedSlice.tp`) when tensor parallelism split the parameter."""
     order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
-    return sorted(engine.strategy.owned_slices(), key=lambda s: order.get(s.name, len(order)))
+    slices = sorted(engine.strategy.owned_slices(), key=lambda s: order.get(s.name, len(order)))
+    return _with_shards(engine, slices)
+
+
+def _unpadded(flat: torch.Tensor, s) -> torch.Tensor:
+    """The elements of the slice's range that are not tensor-parallel padding, in order
+    (a view when there is no padding in the range; Note [tensor-parallel ranges])."""
+    runs = tp_ranges.runs(s.tp, s.start, s.end)
+    if tp_ranges.held(runs) == s.end - s.start:
+        return flat
+    return torch.cat([flat[local - s.start : local - s.start + n] for local, _, n in runs]
+                     or [flat[:0]])
 
 
 def _is_range_state(key: str, value: Any, param: torch.Tensor) -> bool:
@@ -85,21 +137,25 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
     """This rank's part of the checkpoint (rank 0 also builds the global metadata)."""
     rank = comm.get_rank()
     slices = ordered_slices(engine)
+    tp_rank, _, _ = tp_layout(engine)
     tensors: dict[str, torch.Tensor] = {}
     ranges: dict[str, Any] = {}
     state = engine.optimizer.state
     for s in slices:
-        if not s.writer or s.end == s.start:
+        # replicas over dp: the strategy's writer; replicas over tp: tp rank 0
+        if not s.writer or s.end == s.start or (s.tp is None and tp_rank != 0):
             continue
-        tensors[f"master/{s.name}"] = _take(s.master.reshape(-1), copy)
+        tensors[f"master/{s.name}"] = _take(_unpadded(s.master.reshape(-1), s), copy)
         saved, scalars = [], {}
         for key, value in (state[s.key].items() if s.key in state else ()):
             if _is_range_state(key, value, s.key):
-                tensors[f"optim/{key}/{s.name}"] = _take(value.reshape(-1), copy)
+                tensors[f"optim/{key}/{s.name}"] = _take(_unpadded(value.reshape(-1), s), copy)
                 saved.append(key)
             else:
                 scalars[key] = _scalar(key, value, s.name)
         ranges[s.name] = {"start": s.start, "end": s.end, "optimizer": saved, "scalars": scalars}
+        if s.tp is not None:
+            ranges[s.name]["tp"] = s.tp.to_json()
     rng, rng_tensors = capture_rng()
     tensors.update(rng_tensors)
     info = {"rank": rank, "file": rank_file(rank), "ranges": ranges, "rng": rng}
@@ -110,6 +166,6 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
         for name, b in buffers.items():
             tensors[f"buffer/{name}"] = _take(b, copy)
         snap.meta = global_meta(engine, tag, slices, tied_aliases(engine.module), buffers,
-                                client_json, list(client_tensors))
+                                client_json, list(client_tensors), tp_size=tp_layout(engine)[1])
         snap.client_tensors = client_tensors
     return snap

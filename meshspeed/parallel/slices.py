@@ -14,18 +14,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshspeed.tensor_parallel.spec import TPShard
+
 
 @dataclass(frozen=True)
 class OwnedSlice:
     name: str  # as in module.named_parameters() (a tied parameter appears once)
-    shape: tuple[int, ...]  # the full parameter's shape
+    shape: tuple[int, ...]  # the full LOCAL parameter's shape (under tp: this rank's piece)
     dtype: torch.dtype  # the dtype the model computes in
-    start: int  # this rank's range [start, end) in the flattened full parameter
+    start: int  # this rank's range [start, end) in the flattened full local parameter
     end: int
     master: torch.Tensor  # fp32, flat, end - start elements: the values the optimizer steps on
     key: nn.Parameter  # the tensor the optimizer holds (its state is keyed by it); same data
     writer: bool  # the one rank that writes this range (replicas skip it)
     requires_grad: bool
+    # where the (local) parameter sits in the logical one under tensor parallelism; None:
+    # not split (`shape` is then the logical shape). Strategies leave it None: the
+    # checkpoint fills it from the layers' `tp_shards` (snapshot.ordered_slices).
+    tp: TPShard | None = None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
     model.load_state_dict(state_dict)
 
 A checkpoint written by `engine.save_checkpoint` at any ZeRO stage (and any data-parallel
-size) holds each parameter's fp32 master as ranges spread over the ranks' files;
+and tensor-parallel size: the tensors come back whole, in their logical shapes) holds each parameter's fp32 master as ranges spread over the ranks' files;
 `meshspeed.checkpoint.consolidate` assembles them with no process group. The functions
 here are DeepSpeed's names and arguments over it. Tensors come back in fp32 (masters;
 floating buffers cast to fp32, integer buffers as saved); tied parameters appear under
