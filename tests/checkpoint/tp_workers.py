@@ -96,28 +96,20 @@ def config(stage: int) -> dict:
 
 
 def tp_engine(tp: int, stage: int, attach: bool = True):
-    """A tp x dp engine over this world (dp = world / tp); `attach=False` leaves
-    `engine.topology` unset (tp must be 1): the checkpoint must treat that as tp 1."""
-    from meshspeed.config import load_config
-    from meshspeed.engine import build
-    from meshspeed.engine.engine import MeshspeedEngine
-    from meshspeed.offload import offload_placement
-    from meshspeed.optim.precision import build_scaler
+    """A tp x dp engine over this world (dp = world / tp) through `meshspeed.initialize`,
+    which builds the mesh from `tensor_parallel.autotp_size` and, the model being split
+    already (its layers list `tp_shards`), leaves it as it is. `attach` is kept for the
+    callers: every engine now carries its topology (tp 1 when not split)."""
+    import meshspeed
     from meshspeed.topology import ParallelDims, build_topology
 
-    topo = build_topology(ParallelDims(comm.get_world_size(), tp=tp))
+    del attach
+    topo = build_topology(ParallelDims(comm.get_world_size(), tp=tp))  # the mesh initialize will use
     model = TinyTP(topo.coord("tp"), tp)
-    dp_group = topo.group("dp")
-    cfg = load_config(config(stage), dp_world_size=topo.size("dp"), dp_source="test topology")
-    placement = offload_placement(cfg)
-    strategy = build._build_strategy(model, dp_group, cfg, placement)
-    opt = build._build_optimizer(cfg, None, model.parameters(), model, strategy, placement)
-    engine = MeshspeedEngine(module=model, config=cfg, strategy=strategy, optimizer=opt,
-                             lr_scheduler=None, scaler=build_scaler(cfg.fp16), dp_group=dp_group)
-    if attach:
-        engine.topology = topo
-    else:
-        assert tp == 1
+    cfg = {**config(stage), "tensor_parallel": {"autotp_size": tp}}
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if engine.topology is not topo:
+        raise AssertionError("initialize built another mesh for the same layout")
     return engine
 
 
