@@ -1,13 +1,17 @@
-"""`SlowLink`: make every asynchronous collective take at least `delay` seconds.
+"""`SlowLink`: make collectives take time, as on a slow link, to test and show overlap.
 
-    with SlowLink(0.01):
-        ...   # a work launched at t completes no earlier than t + 0.01 for its caller
+    with SlowLink(latency=0.002, seconds_per_mb=0.05):
+        ...
 
-The delay runs from the launch, as on a slow link: time the caller spends computing
-before `wait()` hides it, which is what overlapping communication is for. Tests use it
-to show results do not depend on when communication completes, and that
-`comm.BlockedTimer` sees the exposed part. Synchronous collectives are not delayed.
-Patches `meshspeed.comm.collectives` for the duration of the block (test use only).
+Each collective occupies one simulated link for `latency + MB moved * seconds_per_mb`
+(MB = 1e6 of the ring bytes `counter` counts), starting when the link is free (so works
+in flight queue behind each other, as on one link). A synchronous call returns when its
+transfer ends; an asynchronous work's `wait()` returns no earlier than that: time the
+caller spends computing before `wait()` hides it, which is what overlap is for. Tests use
+it to show results do not depend on when communication completes, and benchmarks to show
+`comm.BlockedTimer` (exposed time) with and without overlap. Patches
+`meshspeed.comm.collectives` for the duration of the block (test use only); metadata
+(object) collectives are not slowed.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-from meshspeed.comm import collectives
+from meshspeed.comm import blocked, collectives
 
 
 class _DelayedWork:
@@ -25,29 +29,50 @@ class _DelayedWork:
         self._work, self._ready_at = work, ready_at
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        left = self._ready_at - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-        return self._work.wait(*args, **kwargs)
+        done = self._work.wait(*args, **kwargs)
+        _sleep_until(self._ready_at)
+        return done
 
     def is_completed(self) -> bool:
         return time.perf_counter() >= self._ready_at and self._work.is_completed()
 
 
+def _sleep_until(t: float) -> None:
+    left = t - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
 class SlowLink:
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self._init: Any = None
+    def __init__(self, latency: float = 0.0, *, seconds_per_mb: float = 0.0) -> None:
+        self.latency, self.seconds_per_mb = latency, seconds_per_mb
+        self._issue: Any = None
+        self._free_at = 0.0
+
+    def _ready_at(self, nbytes: int) -> float:
+        start = max(time.perf_counter(), self._free_at)
+        self._free_at = start + self.latency + nbytes / 1e6 * self.seconds_per_mb
+        return self._free_at
 
     def __enter__(self) -> Self:
-        self._init = init = collectives._TimedWork.__init__
-        delay = self.delay
+        self._issue = issue = collectives._issue
 
-        def delayed_init(timed: Any, work: Any, *args: Any, **kwargs: Any) -> None:
-            init(timed, _DelayedWork(work, time.perf_counter() + delay), *args, **kwargs)
+        def slow_issue(op: str, nbytes: int, *args: Any, counted: bool = True, **kwargs: Any) -> Any:
+            work = issue(op, nbytes, *args, counted=counted, **kwargs)
+            if not counted:
+                return work
+            ready = self._ready_at(nbytes)
+            if work is None:  # the transfer is part of the caller's synchronous collective
+                start = time.perf_counter()
+                _sleep_until(ready)
+                if blocked.active():
+                    blocked.add(op, time.perf_counter() - start)
+                return None
+            work._work = _DelayedWork(work._work, ready)
+            return work
 
-        collectives._TimedWork.__init__ = delayed_init
+        collectives._issue = slow_issue
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        collectives._TimedWork.__init__ = self._init
+        collectives._issue = self._issue
