@@ -91,7 +91,7 @@ def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParal
     if cfg.partition_config is not None:
         plan = plan_from_deepspeed(cfg.partition_config, model)
     apply_tensor_parallel(model, topology, plan, sequence_parallel=cfg.sequence_parallel,
-                          overlap_comm=cfg.tp_overlap_comm)
+                          overlap_comm=cfg.tp_overlap_comm, overlap_chunks=cfg.overlap_chunks)
     _same_replicas(model, topology)
     return model
 

@@ -33,7 +33,7 @@ from meshspeed.tensor_parallel.spec import shards_by_param
 
 def apply_tensor_parallel(model: nn.Module, mesh: Any, plan: dict | None = None, *,
                           sequence_parallel: bool = False,
-                          overlap_comm: bool = False) -> nn.Module:
+                          overlap_comm: bool = False, overlap_chunks: int = 2) -> nn.Module:
     """Split `model` over the tensor-parallel axis of `mesh`, in place; returns `model`.
 
     mesh: a `meshspeed.topology.Topology`, a DeviceMesh with a "tp" dimension, or a 1-D
@@ -44,8 +44,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, plan: dict | None = None,
     (dim 1) and norms run on the shard (arXiv:2205.05198); parameters of sequence-sharded
     norms get partial gradients, listed in `module.tp_partial_grads`, which the caller
     sums over tp.
-    overlap_comm: sequence-parallel layers overlap their gather/reduce-scatter with the
-    matmul in two chunks.
+    overlap_comm: the layers cut their collectives into `overlap_chunks` pieces along the
+    sequence so each piece's communication runs under the matmul of another (Note
+    [overlapping tensor-parallel communication] in overlap.py): sequence-parallel
+    all-gathers and reduce-scatters, and the all-reduce after a row layer in plain TP.
     Raises PlanError (a ConfigError) listing every problem before anything is split.
     """
     group, tp, tp_rank = tp_axis(mesh)
@@ -58,7 +60,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, plan: dict | None = None,
     assignments = resolve(model, entries)
     check(model, assignments, tp)
     _check_loss(assignments)
-    _Splitter(model, group, tp, sequence_parallel, overlap_comm).run(assignments)
+    if overlap_comm and (isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int)
+                         or overlap_chunks < 2):
+        raise PlanError(f"overlap_chunks must be an integer >= 2 with overlap_comm, got {overlap_chunks!r}")
+    _Splitter(model, group, tp, sequence_parallel, overlap_chunks if overlap_comm else 1).run(assignments)
     after_split(model, tp)
     return model
 
@@ -110,8 +115,8 @@ def _check_loss(assignments: list[Assignment]) -> None:
 class _Splitter:
     """Replaces the assigned modules one by one (one job: build each layer)."""
 
-    def __init__(self, model: nn.Module, group: Any, tp: int, sp: bool, overlap: bool):
-        self.model, self.group, self.tp, self.sp, self.overlap = model, group, tp, sp, overlap
+    def __init__(self, model: nn.Module, group: Any, tp: int, sp: bool, chunks: int):
+        self.model, self.group, self.tp, self.sp, self.chunks = model, group, tp, sp, chunks
         self.vocab: dict[int, nn.Module] = {}  # id(original embedding weight) -> new layer
         self.head: nn.Module | None = None
         self.gathers: dict[str, Any] = {}  # parent module name -> its columns' SharedGather
@@ -154,7 +159,7 @@ class _Splitter:
         from meshspeed.tensor_parallel import layers  # the other half of the package
 
         kind, sp = a.entry.kind, self._sp(a)
-        chunks = 2 if self.overlap and sp else 1
+        chunks = self.chunks
         if kind in ("column", "row"):
             layout = a.entry.weight_layout or ("in_out" if is_conv1d(module) else "out_in")
             kw = dict(sequence_parallel=sp, overlap_chunks=chunks, weight_layout=layout)
