@@ -25,6 +25,7 @@ against autograd of that objective computed whole on one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,48 +59,33 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class _AllGatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    return gather_along(x, group, dim).wait()
+
+
+def _reduce_scatter(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    return reduce_scatter_along(x, group, dim).wait()
+
+
+def _pair_along(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd Function over (x, group, dim) with the given forward and backward
+    collectives along `dim` (the four sequence / split pairs below differ only in those)."""
+
+    def fwd(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return gather_along(x, group, dim).wait()
+        return forward(x, group, dim)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_along(grad, ctx.group, ctx.dim).wait(), None, None
+    def bwd(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.group, ctx.dim), None, None
 
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_along(x, group, dim).wait()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return gather_along(grad, ctx.group, ctx.dim).wait(), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterToParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return split_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return gather_along(grad, ctx.group, ctx.dim).wait(), None, None
-
-
-class _GatherFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return gather_along(x, group, dim).wait()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return split_along(grad, ctx.group, ctx.dim), None, None
+#                    name                     forward          backward
+_AllGatherSequence = _pair_along("_AllGatherSequence", _gather, _reduce_scatter)
+_ReduceScatterSequence = _pair_along("_ReduceScatterSequence", _reduce_scatter, _gather)
+_ScatterToParallel = _pair_along("_ScatterToParallel", split_along, _gather)
+_GatherFromParallel = _pair_along("_GatherFromParallel", _gather, split_along)
 
 
 def copy_to_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:

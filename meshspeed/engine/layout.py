@@ -44,13 +44,13 @@ def build_layout(config: Any, mpu: Any, device: torch.device) -> Topology:
     if mpu is not None:
         topology = topology_from_mpu(mpu)
         if tp > 1 and tp != topology.size("tp"):
-            raise ConfigError([f"tensor_parallel.autotp_size: {tp}, but the mpu's model-parallel "
-                               f"group has {topology.size('tp')} ranks; make them equal or drop the key"])
+            raise ConfigError([(f"tensor_parallel.autotp_size: {tp}, but the mpu's model-parallel "
+                               f"group has {topology.size('tp')} ranks; make them equal or drop the key")])
         return topology
     world = comm.get_world_size()
     if world % tp:
-        raise ConfigError([f"tensor_parallel.autotp_size: {tp} does not divide the world size "
-                           f"{world} ({describe_world()}); use a divisor of {world}"])
+        raise ConfigError([(f"tensor_parallel.autotp_size: {tp} does not divide the world size "
+                           f"{world} ({describe_world()}); use a divisor of {world}")])
     return build_topology(ParallelDims(world, tp=tp), device_type=device.type)
 
 
@@ -76,17 +76,17 @@ def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParal
         return model
     if not cfg.enabled:
         if cfg.sequence_parallel or cfg.tp_overlap_comm:
-            raise ConfigError(["tensor_parallel.sequence_parallel / tp_overlap_comm need "
-                               "tensor_parallel.autotp_size > 1"])
+            raise ConfigError([("tensor_parallel.sequence_parallel / tp_overlap_comm need "
+                               "tensor_parallel.autotp_size > 1")])
         return model
     from meshspeed.parallel.zero.init_shards import is_partitioned
     from meshspeed.tensor_parallel import apply_tensor_parallel
     from meshspeed.tensor_parallel.ds_config import plan_from_deepspeed
 
     if any(is_partitioned(p) for p in model.parameters()):
-        raise ConfigError(["tensor_parallel.autotp_size: models built under meshspeed.zero.Init "
+        raise ConfigError([("tensor_parallel.autotp_size: models built under meshspeed.zero.Init "
                            "cannot be split for tensor parallelism in this version; build the "
-                           "model normally (ZeRO-3 still shards it over the data-parallel axis)"])
+                           "model normally (ZeRO-3 still shards it over the data-parallel axis)")])
     plan = None
     if cfg.partition_config is not None:
         plan = plan_from_deepspeed(cfg.partition_config, model)
@@ -103,9 +103,9 @@ def _check_presplit(model: nn.Module, topology: Topology) -> None:
     for name, sub in model.named_modules():
         group = getattr(sub, "group", None) if getattr(sub, "tp_shards", None) else None
         if group is not None and sorted(dist.get_process_group_ranks(group)) != want:
-            raise ConfigError([f"{name}: split over ranks {sorted(dist.get_process_group_ranks(group))}, "
+            raise ConfigError([(f"{name}: split over ranks {sorted(dist.get_process_group_ranks(group))}, "
                                f"but this run's tensor-parallel group is {want}; split the model "
-                               "over engine.mesh (or the same layout) or let initialize split it"])
+                               "over engine.mesh (or the same layout) or let initialize split it")])
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -185,7 +186,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     # How tensor parallelism splits this model (meshspeed.apply_tensor_parallel reads it);
     # plain data, so this file imports nothing of meshspeed's. See tensor_parallel/plan.py.
-    tp_plan = {
+    tp_plan: ClassVar[dict] = {
         "layers.*.attn.wq": {"kind": "column", "multiple": "head_dim"},
         "layers.*.attn.wk": {"kind": "column", "multiple": "head_dim"},
         "layers.*.attn.wv": {"kind": "column", "multiple": "head_dim"},

@@ -9,7 +9,12 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from meshspeed.planner.activations import ModelShape, activation_bytes, block_param_count, split_param_count
+from meshspeed.planner.activations import (
+    ModelShape,
+    activation_bytes,
+    block_param_count,
+    split_param_count,
+)
 from meshspeed.planner.report import format_report, format_table
 
 __all__ = [

@@ -50,7 +50,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: Any, plan: dict | None = None,
     all-gathers and reduce-scatters, and the all-reduce after a row layer in plain TP.
     Raises PlanError (a ConfigError) listing every problem before anything is split.
     """
-    group, tp, tp_rank = tp_axis(mesh)
+    group, tp, _tp_rank = tp_axis(mesh)
     if tp == 1:
         return model
     if shards_by_param(model):
@@ -162,7 +162,7 @@ class _Splitter:
         chunks = self.chunks
         if kind in ("column", "row"):
             layout = a.entry.weight_layout or ("in_out" if is_conv1d(module) else "out_in")
-            kw = dict(sequence_parallel=sp, overlap_chunks=chunks, weight_layout=layout)
+            kw = {"sequence_parallel": sp, "overlap_chunks": chunks, "weight_layout": layout}
             if kind == "row":
                 return layers.RowParallelLinear.from_module(module, self.group, **kw)
             if sp:
@@ -177,7 +177,7 @@ class _Splitter:
             return new
         if kind == "vocab_head":
             tied = self.vocab.get(id(module.weight))
-            kw = dict(sequence_parallel=sp, overlap_chunks=chunks)
+            kw = {"sequence_parallel": sp, "overlap_chunks": chunks}
             if tied is not None:  # one Parameter, one shard, for embedding and head
                 self.head = layers.ColumnParallelLinear.tied_to(tied, **kw)
             else:
@@ -196,4 +196,4 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-__all__ = ["apply_tensor_parallel", "default_plan", "tp_axis", "HF_LOSS", "PlanError"]
+__all__ = ["HF_LOSS", "PlanError", "apply_tensor_parallel", "default_plan", "tp_axis"]

@@ -68,7 +68,27 @@ def _init_uniform_(param: torch.Tensor, fan_in: int) -> None:
         param.uniform_(-bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What the column and row layers share: building from a whole module, and repr."""
+
+    @classmethod
+    def from_module(cls, linear: nn.Module, group: Any, **kw: Any):
+        """This rank's slice of an nn.Linear (or HF Conv1D: weight_layout="in_out",
+        detected by class name) with its values copied."""
+        layout = _layout_of(linear, kw.pop("weight_layout", None))
+        in_f, out_f = _features(linear, layout)
+        layer = cls(in_f, out_f, group, bias=linear.bias is not None, weight_layout=layout,
+                    device="meta", **kw)
+        _copy_slices(layer, linear)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"local={self.tp_shards['weight'].local_size}, layout={self.weight_layout}, "
+                f"sequence_parallel={self.sequence_parallel}, overlap_chunks={self.overlap_chunks}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """y[..., this rank's output features] = x W^T (+ b); see the module docstring.
 
     parts / multiple: fused sub-parameters split each on its own (spec.even_pieces);
@@ -114,17 +134,6 @@ class ColumnParallelLinear(nn.Module):
             zero_padding_(param, shard)
 
     @classmethod
-    def from_module(cls, linear: nn.Module, group: Any, **kw: Any) -> ColumnParallelLinear:
-        """This rank's slice of an nn.Linear (or HF Conv1D: weight_layout="in_out",
-        detected by class name) with its values copied."""
-        layout = _layout_of(linear, kw.pop("weight_layout", None))
-        in_f, out_f = _features(linear, layout)
-        layer = cls(in_f, out_f, group, bias=linear.bias is not None, weight_layout=layout,
-                    device="meta", **kw)
-        _copy_slices(layer, linear)
-        return layer
-
-    @classmethod
     def tied_to(cls, embedding: nn.Module, **kw: Any) -> ColumnParallelLinear:
         """A vocab-parallel output projection (lm_head) that shares `embedding`'s weight
         Parameter (a VocabParallelEmbedding over the same group: same padded rows, same
@@ -155,11 +164,6 @@ class ColumnParallelLinear(nn.Module):
                 out = out.narrow(-1, 0, self.out_features)
         return out
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"local={self.tp_shards['weight'].local_size}, layout={self.weight_layout}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap_chunks={self.overlap_chunks}")
-
 
 def _gather_order(n: int, size: int, parts, multiple: int) -> torch.Tensor | None:
     """Positions in the rank-concatenated output of logical features 0..n-1, or None if
@@ -183,7 +187,7 @@ def _copy_slices(layer: nn.Module, source: nn.Module) -> None:
         setattr(layer, name, new)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = (sum over ranks of x[..., this rank's input features] W_r^T) + b.
 
     input_is_parallel=False: x is whole and each rank keeps its input features first. The
@@ -225,16 +229,6 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             _init_uniform_(self.bias, self.in_features)
 
-    @classmethod
-    def from_module(cls, linear: nn.Module, group: Any, **kw: Any) -> RowParallelLinear:
-        """This rank's slice of an nn.Linear (or HF Conv1D, weight_layout="in_out")."""
-        layout = _layout_of(linear, kw.pop("weight_layout", None))
-        in_f, out_f = _features(linear, layout)
-        layer = cls(in_f, out_f, group, bias=linear.bias is not None, weight_layout=layout,
-                    device="meta", **kw)
-        _copy_slices(layer, linear)
-        return layer
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group, -1)
@@ -249,8 +243,3 @@ class RowParallelLinear(nn.Module):
             else:
                 out = reduce_from_parallel(partial, self.group)
         return out if self.bias is None else out + self.bias
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"local={self.tp_shards['weight'].local_size}, layout={self.weight_layout}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap_chunks={self.overlap_chunks}")

@@ -66,8 +66,8 @@ def test_known_unused_keys_accepted_and_logged_once(caplog):
     with caplog.at_level(logging.INFO, logger="meshspeed"):
         cfg = load_config(config)
     lines = [r.getMessage() for r in caplog.records if "accepted but not used" in r.getMessage()]
-    assert lines == ["config keys accepted but not used by meshspeed yet: "
-                     "zero_allow_untested_optimizer, zero_optimization.elastic_checkpoint"]
+    assert lines == [("config keys accepted but not used by meshspeed yet: "
+                     "zero_allow_untested_optimizer, zero_optimization.elastic_checkpoint")]
     monitors = [r.getMessage() for r in caplog.records if "monitors" in r.getMessage()]
     assert len(monitors) == 1 and "flops_profiler" in monitors[0] and "tensorboard" not in monitors[0]
     assert cfg.zero_stage == 2 and cfg.fp16.enabled

@@ -10,14 +10,22 @@ Tensor-parallel layers themselves are tested in tests/tensor_parallel/.
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from meshspeed.testing import run_distributed
-from meshspeed.testing.parity import (ParitySetup, assert_close_parity, build_model, full_state_dict,
-                                      reference_run, train_steps)
+from meshspeed.testing.parity import (
+    ParitySetup,
+    assert_close_parity,
+    build_model,
+    full_state_dict,
+    reference_run,
+    train_steps,
+)
 
 
 class _Mpu:
@@ -89,7 +97,7 @@ def _loader_samples():
     cfg = setup.ds_config()
     cfg.pop("tensor_parallel")
     data = torch.arange(64).reshape(32, 2)
-    engine, _, loader, _ = meshspeed.initialize(model=build_model(setup), config=cfg, mpu=_Mpu(),
+    _engine, _, loader, _ = meshspeed.initialize(model=build_model(setup), config=cfg, mpu=_Mpu(),
                                                 training_data=torch.utils.data.TensorDataset(data))
     return [batch[0].tolist() for batch in loader]
 
@@ -114,7 +122,7 @@ def _bad_mpu():
 def test_loader_gives_one_tp_group_the_same_samples_and_a_bad_mpu_is_named():
     samples = run_distributed(_loader_samples, 4, timeout=200)
     assert samples[0] == samples[1] and samples[2] == samples[3]  # one tp group, one dp rank
-    assert not set(map(tuple, sum(samples[0], []))) & set(map(tuple, sum(samples[2], [])))
+    assert not set(map(tuple, functools.reduce(operator.iadd, samples[0], []))) & set(map(tuple, functools.reduce(operator.iadd, samples[2], [])))
     assert all(len(s) > 0 for s in samples)
     errors = run_distributed(_bad_mpu, 4, timeout=200)
     assert all("initialize(mpu=...)" in e and "share ranks" in e for e in errors), errors[0]

@@ -14,15 +14,15 @@ from meshspeed.testing import run_distributed
 from tests.tensor_parallel.parity import check_parity, topology
 
 CASES = {
-    "untied": dict(n_head=4, n_kv_head=4, tie_embeddings=False),
-    "tied_gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=True),
-    "odd_vocab_gqa": dict(n_head=4, n_kv_head=2, vocab_size=61),  # vocab padded to 62
+    "untied": {"n_head": 4, "n_kv_head": 4, "tie_embeddings": False},
+    "tied_gqa": {"n_head": 4, "n_kv_head": 2, "tie_embeddings": True},
+    "odd_vocab_gqa": {"n_head": 4, "n_kv_head": 2, "vocab_size": 61},  # vocab padded to 62
 }
 
 
 def _gpt(**kw) -> GPT:
     torch.manual_seed(0)
-    cfg = dict(vocab_size=64, max_seq_len=16, n_layer=2, d_model=32, ffn_hidden=48)
+    cfg = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 2, "d_model": 32, "ffn_hidden": 48}
     return GPT(GPTConfig(**{**cfg, **kw}))
 
 

@@ -10,13 +10,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from meshspeed.tensor_parallel import apply_tensor_parallel, plan_from_deepspeed  # noqa: E402
-from meshspeed.tensor_parallel.spec import shards_by_name  # noqa: E402
-from meshspeed.testing import run_distributed  # noqa: E402
-from tests.tensor_parallel.parity import check_parity, topology  # noqa: E402
+from meshspeed.tensor_parallel import apply_tensor_parallel, plan_from_deepspeed
+from meshspeed.tensor_parallel.spec import shards_by_name
+from meshspeed.testing import run_distributed
+from tests.tensor_parallel.parity import check_parity, topology
 
-_DECODER = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+_DECODER = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
 
 
 def _build(family: str, tie: bool = False):

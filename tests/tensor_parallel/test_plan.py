@@ -28,7 +28,7 @@ class _Mesh:  # the three Topology methods apply_tensor_parallel reads
 
 
 def _gpt(**kw) -> GPT:
-    cfg = dict(vocab_size=64, max_seq_len=16, n_layer=1, d_model=32, ffn_hidden=48)
+    cfg = {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "d_model": 32, "ffn_hidden": 48}
     return GPT(GPTConfig(**{**cfg, **kw}))
 
 
@@ -81,8 +81,8 @@ def test_fused_parts_and_uneven_sizes():
 def test_tied_head_without_vocab_embedding():
     plan = {k: v for k, v in GPT.tp_plan.items() if k != "tok_emb"}
     assert _errors(_gpt(tie_embeddings=True), plan) == [
-        "lm_head: its weight is tied to tok_emb.weight, which the plan splits as nothing "
-        "rather than vocab (split both as vocab/vocab_head, or neither)"]
+        ("lm_head: its weight is tied to tok_emb.weight, which the plan splits as nothing "
+        "rather than vocab (split both as vocab/vocab_head, or neither)")]
 
 
 def test_no_plan_names_the_class():
@@ -92,21 +92,21 @@ def test_no_plan_names_the_class():
             self.fc = nn.Linear(4, 4)
 
     assert _errors(Tiny()) == [
-        "no tensor-parallel plan for Tiny: pass plan={module glob: 'column' | 'row' | "
+        ("no tensor-parallel plan for Tiny: pass plan={module glob: 'column' | 'row' | "
         "'vocab' | ...} to apply_tensor_parallel, give the model a `tp_plan` attribute, or "
-        "set tensor_parallel.partition_config.layer_specs in the config"]
+        "set tensor_parallel.partition_config.layer_specs in the config")]
 
 
 def test_unknown_kind_and_deepspeed_spec_errors():
     assert _errors(_gpt(), {"lm_head": "colwise"}) == [
-        "plan['lm_head']: kind 'colwise' is not one of ['column', 'row', 'vocab', "
-        "'vocab_head', 'sequence_norm', 'loss', 'replicate']"]
+        ("plan['lm_head']: kind 'colwise' is not one of ['column', 'row', 'vocab', "
+        "'vocab_head', 'sequence_norm', 'loss', 'replicate']")]
     with pytest.raises(PlanError) as info:
         plan_from_deepspeed({"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
                                               "partition_type": "row"}]}, _gpt())
     assert info.value.problems == [
-        "tensor_parallel.partition_config.layer_specs[0]: patterns ['.*\\\\.o_proj\\\\.weight$'] "
-        "match no parameter of GPT"]
+        ("tensor_parallel.partition_config.layer_specs[0]: patterns ['.*\\\\.o_proj\\\\.weight$'] "
+        "match no parameter of GPT")]
 
 
 def test_tp1_returns_model_untouched():
