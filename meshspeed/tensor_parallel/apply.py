@@ -121,9 +121,14 @@ class _Splitter:
         self.head: nn.Module | None = None
         self.gathers: dict[str, Any] = {}  # parent module name -> its columns' SharedGather
         self.gathered: list[str] = []  # modules whose input a boundary gathers (sp_input)
+        self.columns_under: dict[str, int] = {}  # parent module name -> its column layers
 
     def run(self, assignments: list[Assignment]) -> None:
         self.gathered = [a.name for a in assignments if a.entry.sp_input == "gather"]
+        for a in assignments:
+            if a.entry.kind == "column":
+                parent = a.name.rpartition(".")[0]
+                self.columns_under[parent] = self.columns_under.get(parent, 0) + 1
         # Embeddings first: a tied head needs the embedding's new Parameter.
         first = sorted(assignments, key=lambda a: a.entry.kind != "vocab")
         for a in first:
@@ -141,18 +146,22 @@ class _Splitter:
     def _sp(self, a: Assignment) -> bool:
         return self.sp if a.entry.sequence_parallel is None else self.sp and a.entry.sequence_parallel
 
-    def _shared_gather(self, name: str) -> Any:
+    def _shared_gather(self, name: str, sp: bool) -> Any:
         """Sibling column layers under one parent share one sequence gather (q/k/v,
-        gate/up); SharedGather keys on the input tensor, so siblings that read different
-        inputs simply gather each their own. Under a boundary that already gathered the
-        input (sp_input="gather"), the gather is the boundary's."""
+        gate/up), or in plain TP one input-gradient all-reduce (Note [one gather for
+        sibling column layers]); SharedGather keys on the input tensor, so siblings that
+        read different inputs simply gather each their own. Under a boundary that already
+        gathered the input (sp_input="gather"), the gather is the boundary's. A column
+        with no sibling gets None: it keeps its own collective, chunked for overlap."""
         from meshspeed.tensor_parallel.layers import SharedGather
 
-        if any(name.startswith(g + ".") for g in self.gathered):
+        if sp and any(name.startswith(g + ".") for g in self.gathered):
             return boundaries.ALREADY_GATHERED
         parent = name.rpartition(".")[0]
+        if self.columns_under.get(parent, 0) < 2:
+            return None
         if parent not in self.gathers:
-            self.gathers[parent] = SharedGather(self.group)
+            self.gathers[parent] = SharedGather(self.group, gather=sp)
         return self.gathers[parent]
 
     def _build(self, a: Assignment, module: nn.Module) -> nn.Module:
@@ -165,8 +174,7 @@ class _Splitter:
             kw = {"sequence_parallel": sp, "overlap_chunks": chunks, "weight_layout": layout}
             if kind == "row":
                 return layers.RowParallelLinear.from_module(module, self.group, **kw)
-            if sp:
-                kw["shared_gather"] = self._shared_gather(a.name)
+            kw["shared_gather"] = self._shared_gather(a.name, sp)
             return layers.ColumnParallelLinear.from_module(
                 module, self.group, parts=a.parts, multiple=a.multiple,
                 gather_output=a.entry.gather_output, **kw)

@@ -148,12 +148,9 @@ class ColumnParallelLinear(_ParallelLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mode, chunks = "copy", self.overlap_chunks
-        if self.sequence_parallel:
-            if self.shared_gather is not None:  # Note [one gather for sibling column layers]
-                x, mode = self.shared_gather(x), "local"
-            else:
-                mode = "gather"
+        mode, chunks = ("gather" if self.sequence_parallel else "copy"), self.overlap_chunks
+        if self.shared_gather is not None:  # Note [one gather for sibling column layers]
+            x, mode = self.shared_gather(x), "local"
         out = ColumnLinearFn.apply(x, self.weight, self.bias, self.group, mode, self.seq_dim,
                                    chunks, self.save_gathered_input, self.weight_layout)
         if self.gather_output:

@@ -11,6 +11,12 @@ result for that input; the others, called on the same tensor (same object and
 same autograd output back. In backward autograd first sums the siblings' gradients of
 that one output, then runs its reduce-scatter once: one all-gather forward and one
 reduce-scatter backward for all siblings.
+Plain tensor parallelism has the same waste in backward: each sibling's input gradient
+is a partial sum, and all-reducing each one moves the activation's bytes three times
+where one all-reduce of their sum would do (torch's DTensor keeps the three partial and
+reduces once). `SharedGather(group, gather=False)` is the plain-TP form: the shared op is
+`copy_to_parallel` (identity forward), so autograd sums the siblings' gradients before
+its single all-reduce.
 The input is held weakly; the gathered output is dropped when the input is freed (the
 caller's forward is over), so nothing outlives a step. Cost: the siblings save the
 gathered input for their weight gradients (one tensor, shared), instead of each saving
@@ -25,12 +31,12 @@ from typing import Any
 
 import torch
 
-from meshspeed.comm.differentiable import all_gather_sequence
+from meshspeed.comm.differentiable import all_gather_sequence, copy_to_parallel
 
 
 class SharedGather:
-    def __init__(self, group: Any, seq_dim: int = 1) -> None:
-        self.group, self.seq_dim = group, seq_dim
+    def __init__(self, group: Any, seq_dim: int = 1, *, gather: bool = True) -> None:
+        self.group, self.seq_dim, self.gather = group, seq_dim, gather
         self._source: weakref.ref | None = None
         self._key: tuple[int, bool] | None = None
         self._gathered: torch.Tensor | None = None
@@ -41,7 +47,10 @@ class SharedGather:
         if self._source is not None and self._source() is x and self._key == key:
             self.reuses += 1
             return self._gathered
-        gathered = all_gather_sequence(x, self.group, self.seq_dim)
+        if self.gather:
+            gathered = all_gather_sequence(x, self.group, self.seq_dim)
+        else:
+            gathered = copy_to_parallel(x, self.group)
         self._source, self._key, self._gathered = weakref.ref(x, self._forget), key, gathered
         self.gathers += 1
         return gathered

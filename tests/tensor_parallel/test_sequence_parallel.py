@@ -6,6 +6,7 @@ on a slow link. World sizes 2 and 4 (4 where cheap), fp32."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,18 +165,18 @@ def test_activation_bytes_and_communication_bytes(world_size):
     assert all(run_distributed(_memory_and_bytes_body, world_size))
 
 
-def _shared_gather_body():
+def _shared_gather_body(sp: bool = True):
     torch.manual_seed(22)
     refs = [nn.Linear(D, H) for _ in range(3)]  # q, k, v
     X, W = _data()
     W = torch.randn(B, T, H, generator=torch.Generator().manual_seed(23))
     results = {}
     for shared in (False, True):
-        gather = SharedGather(None, seq_dim=1) if shared else None
-        layers = [ColumnParallelLinear.from_module(r, None, sequence_parallel=True) for r in refs]
+        gather = SharedGather(None, seq_dim=1, gather=sp) if shared else None
+        layers = [ColumnParallelLinear.from_module(r, None, sequence_parallel=sp) for r in refs]
         for layer in layers:
             layer.shared_gather = gather  # as whoever builds the siblings does
-        x = seq_shard(X).clone().requires_grad_()
+        x = (seq_shard(X) if sp else X).clone().requires_grad_()
         h = x * 1.0  # the norm's output, say
         with comm.CommCounter() as fwd:
             outs = [layer(h) for layer in layers]
@@ -185,10 +186,14 @@ def _shared_gather_body():
         with comm.CommCounter() as bwd:
             loss.backward()
         results[shared] = (outs, x.grad, [layer.weight.grad for layer in layers])
-        if shared:
-            f, b = fwd.summary(), bwd.summary()
+        f, b = fwd.summary(), bwd.summary()
+        if not sp:  # plain TP: no forward collective; the input gradients' all-reduce(s)
+            assert sum(v["calls"] for v in f.values()) == 0, f
+            assert b["all_reduce"]["calls"] == (1 if shared else 3), b
+        if shared and sp:
             assert (f["all_gather"]["calls"], f["reduce_scatter"]["calls"]) == (1, 0), f
             assert (b["all_gather"]["calls"], b["reduce_scatter"]["calls"]) == (0, 1), b
+        if shared:
             assert (gather.gathers, gather.reuses) == (1, 2)
             h.mul_(1.0)  # an in-place change: the next sibling must gather again
             layers[0](h)
@@ -199,8 +204,11 @@ def _shared_gather_body():
     return True
 
 
-def test_shared_gather_one_collective_each_way():
-    assert all(run_distributed(_shared_gather_body, 2))
+@pytest.mark.parametrize("sp", [True, False], ids=["sequence-parallel", "plain"])
+def test_shared_gather_one_collective_each_way(sp):
+    """SP: one all-gather forward, one reduce-scatter backward for q/k/v; plain TP: one
+    all-reduce of the summed input gradients instead of three."""
+    assert all(run_distributed(_shared_gather_body, 2, args=(sp,)))
 
 
 def _overlap_body(sp: bool):
