@@ -20,6 +20,7 @@ _LAZY = {
     "ConfigError": ("meshspeed.config.errors", "ConfigError"),
     "DivergenceError": ("meshspeed.engine.agreement", "DivergenceError"),
     "estimate_memory": ("meshspeed.planner.estimate", "estimate_memory"),
+    "apply_tensor_parallel": ("meshspeed.tensor_parallel.apply", "apply_tensor_parallel"),
     "zero": ("meshspeed.zero", None),
     "comm": ("meshspeed.comm", None),
     "checkpoint": ("meshspeed.checkpoint", None),

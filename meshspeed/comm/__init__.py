@@ -12,10 +12,14 @@ logger.py       CommLogger for the `comms_logger` config block
 debug.py        MESHSPEED_COMM_DEBUG=1 cross-rank check of collective order
 sequence.py     per-group sequence numbers and the digest the step agreement compares
 rollcall.py     who is where, through the store, when a collective fails
+blocked.py      BlockedTimer: seconds blocked in communication (exposed, not overlapped)
+along.py        gather / reduce-scatter / split along any dimension, results on wait()
+differentiable.py  forward/backward pairs for tensor and sequence parallelism
 """
 
 from torch.distributed import ReduceOp  # DeepSpeed scripts write deepspeed.comm.ReduceOp.SUM
 
+from meshspeed.comm.blocked import BlockedTimer
 from meshspeed.comm.collectives import (
     CommError,
     CommTimeoutError,
@@ -40,10 +44,19 @@ from meshspeed.comm.collectives import (
 )
 from meshspeed.comm.counter import COMM_OPS, CommCounter, ring_bytes
 from meshspeed.comm.debug import CollectiveMismatchError
+from meshspeed.comm.differentiable import (
+    all_gather_sequence,
+    copy_to_parallel,
+    gather_from_parallel,
+    reduce_from_parallel,
+    reduce_scatter_sequence,
+    scatter_to_parallel,
+)
 from meshspeed.comm.logger import CommLogger
 
 __all__ = [
     "COMM_OPS",
+    "BlockedTimer",
     "CollectiveMismatchError",
     "CommCounter",
     "CommError",
@@ -54,19 +67,25 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_sequence",
     "all_reduce",
     "all_to_all_single",
     "barrier",
     "broadcast",
     "broadcast_object",
+    "copy_to_parallel",
+    "gather_from_parallel",
     "get_rank",
     "get_world_size",
     "irecv",
     "is_initialized",
     "isend",
     "recv",
+    "reduce_from_parallel",
+    "reduce_scatter_sequence",
     "reduce_scatter_tensor",
     "ring_bytes",
+    "scatter_to_parallel",
     "send",
     "set_timeout",
 ]

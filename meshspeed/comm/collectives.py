@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshspeed.comm import counter, debug, rollcall, sequence
+from meshspeed.comm import blocked, counter, debug, rollcall, sequence
 from meshspeed.comm.counter import ring_bytes
 
 ReduceOpLike = str | dist.ReduceOp
@@ -126,6 +126,7 @@ class _TimedWork:
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         _unwaited.discard(self)
+        start = time.perf_counter() if blocked.active() else None
         try:
             return self._work.wait(*args, **kwargs)
         except RuntimeError as err:
@@ -134,6 +135,9 @@ class _TimedWork:
             if named is None:
                 raise
             raise named from err
+        finally:
+            if start is not None:
+                blocked.add(self._op, time.perf_counter() - start)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -188,6 +192,8 @@ def _issue(
     work = _launch(op, group, launch, seq, where)
     if counter.has_sinks():
         counter.record(op, nbytes, time.perf_counter() - start)
+    if work is None and blocked.active():  # a synchronous call blocks for all of it
+        blocked.add(op, time.perf_counter() - start)
     return work
 
 

@@ -43,7 +43,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "sequence_parallel_size",
         "sparse_attention",
         "sparse_gradients",
-        "tensor_parallel",
         "tensorboard",
         "timers",
         "torch_autocast",

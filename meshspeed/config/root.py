@@ -13,6 +13,7 @@ from meshspeed.config.comms import CommDtype, CommsLoggerConfig
 from meshspeed.config.offload import AioConfig
 from meshspeed.config.optim import OptimizerConfig, SchedulerConfig
 from meshspeed.config.precision import BF16Config, FP16Config
+from meshspeed.config.tensor_parallel import TensorParallelConfig
 from meshspeed.config.zero import ZeroConfig
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class MeshspeedConfig(StrictModel):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
 
     # Set by load_config: which batch keys the user gave (the rest were derived), and
     # the accepted-but-unused DeepSpeed keys that were set aside.

@@ -5,7 +5,7 @@ behind yet. Going on without the feature is only honest when the user loses noth
 a report or a tuning knob, so each key is judged by its value:
 
 * a value that asks for a parallelism or for different numerics (`sequence_parallel_size:
-  4`, `tensor_parallel.autotp_size: 2`, ZeRO++ quantized weights, `amp`, ...) is a
+  4`, ZeRO++ quantized weights, `amp`, ...) is a
   ConfigError: training on would silently be plain data parallelism, or other numbers;
 * a monitor or logger that is switched on (`tensorboard`, `wandb`, `flops_profiler`, ...)
   is one warning on rank 0 saying it is not there;
@@ -41,13 +41,6 @@ def _truthy(value: Any) -> bool:
     return bool(value)
 
 
-def _tp_size(value: Any) -> bool:
-    if not isinstance(value, dict):
-        return False
-    sizes = [value.get("autotp_size"), value.get("tp_size"), (value.get("tp") or {}).get("tp_size")]
-    return any(_above(1)(s) for s in sizes)
-
-
 def _grad_accum_dtype(value: Any) -> bool:
     dtype = value.get("grad_accum_dtype") if isinstance(value, dict) else None
     return dtype not in (None, "fp32", "float32", "torch.float32")
@@ -55,7 +48,6 @@ def _grad_accum_dtype(value: Any) -> bool:
 
 # path -> (does the value ask for it?, what it asks for)
 ASKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tensor_parallel": (_tp_size, "tensor parallelism"),
     "sequence_parallel_size": (_above(1), "sequence parallelism (Ulysses)"),
     "expert_parallel": (_enabled, "expert parallelism"),
     "compression_training": (_enabled, "compression training (quantization / pruning)"),

@@ -1,9 +1,13 @@
 """`meshspeed.initialize`: fixes the order in which the parts of training are composed.
 
-1. process group and device;  2. config (batch triad needs the data-parallel size);
-3. precision: the module is cast to the compute dtype;  4. the sharding strategy
-(stage 0: data parallel; 1-3: ZeRO) takes the module and the data-parallel group;
-5. optimizer over the strategy's master tensors;  6. LR schedule;  7. data loader.
+1. process group and device;  2. the mesh: parallel degrees from the config (or the
+groups of an `mpu`), data parallel is what is left;  3. config (the batch triad needs the
+data-parallel size);  4. tensor parallelism splits the module's layers over the mesh's tp
+axis;  5. precision: the module is cast to the compute dtype;  6. the sharding strategy
+(stage 0: data parallel; 1-3: ZeRO) takes the module and the mesh's data-parallel group,
+and only it;  7. optimizer over the strategy's master tensors;  8. LR schedule;
+9. data loader over data-parallel coordinates (all ranks of one tp group read the same
+samples).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from meshspeed import comm
 from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.config.no_effect import report_no_effect
 from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.engine.layout import build_layout, describe_layout, split_tensor_parallel
 from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement
 from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
 from meshspeed.optim.precision import build_scaler
@@ -28,7 +33,7 @@ from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import cast_partitioned, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
-from meshspeed.runtime.distributed import describe_world, init_distributed
+from meshspeed.runtime.distributed import init_distributed
 from meshspeed.runtime.malloc import tune_host_allocator
 
 log = logging.getLogger("meshspeed")
@@ -67,9 +72,9 @@ def initialize(
     if device.type == "cpu":
         tune_host_allocator()  # Note [a fixed mmap threshold for CPU training]
 
-    dp_group = None  # pure data parallelism over the whole world (other axes come later)
-    dp_size = comm.get_world_size(dp_group)
-    cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_world())
+    topology = build_layout(config, mpu, device)
+    dp_group, dp_size = topology.group("dp"), topology.size("dp")
+    cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_layout(topology))
     report_no_effect(cfg, rank=comm.get_rank())
     comm.set_timeout(cfg.comms_timeout)  # a wait longer than this is a CommTimeoutError
     check_offload(cfg, client_optimizer=optimizer)
@@ -81,6 +86,7 @@ def initialize(
         raise ValueError(f"initialize(model=...): {type(model).__name__} has no trainable parameters "
                          f"({count} parameters, all with requires_grad=False); unfreeze some "
                          "(p.requires_grad_(True)) or run the model without an engine for inference")
+    model = split_tensor_parallel(model, topology, cfg.tensor_parallel)
     module = _cast(model, device, cfg.precision_dtype)
     placement = offload_placement(cfg)
     strategy = _build_strategy(module, dp_group, cfg, placement)
@@ -95,19 +101,20 @@ def initialize(
         from meshspeed.data.loader import distributed_dataloader
 
         loader = distributed_dataloader(
-            training_data, cfg.train_micro_batch_size_per_gpu, dp_rank=comm.get_rank(dp_group),
+            training_data, cfg.train_micro_batch_size_per_gpu, dp_rank=topology.coord("dp"),
             dp_size=dp_size, seed=dataloader_seed, collate_fn=collate_fn,
         )
     comm_logger = _build_comm_logger(cfg)
     engine = MeshspeedEngine(
         module=module, config=cfg, strategy=strategy, optimizer=opt, lr_scheduler=scheduler,
-        scaler=build_scaler(cfg.fp16), dp_group=dp_group, dataloader=loader,
+        scaler=build_scaler(cfg.fp16), topology=topology, dataloader=loader,
         comm_logger=comm_logger, device=device,
     )
     if comm.get_rank() == 0:
-        log.info("meshspeed: ZeRO stage %d, %s, dp=%d, micro batch %d x accumulation %d",
-                 cfg.zero_stage, str(cfg.precision_dtype).replace("torch.", ""), dp_size,
-                 cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+        log.info("meshspeed: ZeRO stage %d, %s, %s, micro batch %d x accumulation %d",
+                 cfg.zero_stage, str(cfg.precision_dtype).replace("torch.", ""),
+                 describe_layout(topology), cfg.train_micro_batch_size_per_gpu,
+                 cfg.gradient_accumulation_steps)
     return engine, opt, loader, scheduler
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.engine.agreement import STEP_COUNTERS, agree
 from meshspeed.engine.memory import count_bytes
+from meshspeed.engine.tp_grads import TensorParallelGrads
 from meshspeed.offload.tiers import add_tiers, resident_state_tensors
 from meshspeed.optim.clip import clip_by_norm_, global_grad_norm
 from meshspeed.optim.precision import unscale_and_check
@@ -36,7 +37,7 @@ class MeshspeedEngine(nn.Module):
     """What `meshspeed.initialize` returns first. Use it like the model:
     `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`."""
 
-    def __init__(self, *, module, config, strategy, optimizer, lr_scheduler, scaler, dp_group,
+    def __init__(self, *, module, config, strategy, optimizer, lr_scheduler, scaler, topology,
                  dataloader=None, comm_logger=None, device=None):
         super().__init__()
         self.module = module
@@ -45,7 +46,12 @@ class MeshspeedEngine(nn.Module):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = scaler
-        self.dp_group = dp_group
+        self.topology = topology
+        self.dp_group = topology.group("dp")
+        self._tp = TensorParallelGrads(module, strategy.master_of, topology.group("tp"), topology.size("tp"))
+        # Note [agreement before each step]: with tensor parallelism a rank agrees with its
+        # dp peers and its tp peers, which together reach every rank
+        self._agree_over = [topology.group(a) for a in ("dp", "tp") if topology.size(a) > 1]
         self.training_dataloader = dataloader
         self.comm_logger = comm_logger
         self.device = device or torch.device("cpu")
@@ -170,6 +176,22 @@ class MeshspeedEngine(nn.Module):
     def dp_world_size(self) -> int:
         return comm.get_world_size(self.dp_group)
 
+    @property
+    def mesh(self):
+        """The run's `meshspeed.topology.Topology`: its degrees (`mesh.dims`), this rank's
+        group and coordinate on each axis (`mesh.group("tp")`, `mesh.coord("dp")`) and the
+        DeviceMesh (`mesh["tp"]`)."""
+        return self.topology
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_tensor_parallel_group(self):
+        return self.topology.group("tp")
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.topology.size("tp")
+
     # -- the loop ---------------------------------------------------------------------------
     def _reduces_now(self) -> bool:
         """Whether the coming backward reduces gradients (the boundary, outside no_sync)."""
@@ -228,14 +250,17 @@ class MeshspeedEngine(nn.Module):
         if not boundary:
             return
         # Note [agreement before each step]
-        agree(f"optimizer step {self.global_steps}", dict(zip(STEP_COUNTERS, (
-            self.global_steps, self.micro_steps, self.skipped_steps))), group=self.dp_group,
-            device=self.device)
+        counters = dict(zip(STEP_COUNTERS, (self.global_steps, self.micro_steps, self.skipped_steps)))
+        for group in self._agree_over:
+            agree(f"optimizer step {self.global_steps}", counters, group=group, device=self.device)
         masters = self.strategy.prepare_step()
-        grads = [m.grad for m in masters if m.grad is not None]
+        self._tp.reduce_partial()  # Note [partial gradients of sequence-parallel norms]
+        masters = [m for m in masters if m.grad is not None]
+        grads = [m.grad for m in masters]
         groups = self.strategy.grad_norm_groups()
         check = self.config.fp16.enabled or self.config.check_finite
-        overflow = unscale_and_check(grads, self.loss_scaler.scale, groups,
+        overflow = unscale_and_check(grads, self.loss_scaler.scale,
+                                     [*groups, *([self._tp.group] if self._tp.active else [])],
                                      self.device) if check else False
         if overflow and not self.config.fp16.enabled and comm.get_rank() == 0:
             log.warning("step %d: non-finite (NaN/inf) gradients on some rank; step skipped on "
@@ -245,7 +270,8 @@ class MeshspeedEngine(nn.Module):
             old_scale = self.loss_scaler.scale
         else:
             if self.config.gradient_clipping > 0:
-                norm = global_grad_norm(grads, groups, self.device)
+                norm = global_grad_norm(grads, groups, self.device, tp_group=self._tp.group,
+                                        tp_split=self._tp.split_mask(masters))
                 clip_by_norm_(grads, self.config.gradient_clipping, norm)
                 self._grad_norm = float(norm)
             self.optimizer.step()

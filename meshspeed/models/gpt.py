@@ -136,10 +136,12 @@ class Attention(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape  # (B, T, d_model)
         # Head counts come from the tensors (-1), not the config, so a head-sharded
-        # projection simply yields fewer local heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
+        # projection simply yields fewer local heads. B and T come from the projection's
+        # output, not x: a sequence-parallel wq gathers the sequence that x holds a piece of.
+        q = self.wq(x)
+        B, T, _ = q.shape  # (B, T, n_head * hd)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         q, k = self.rotary(q), self.rotary(k)
@@ -181,6 +183,24 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # How tensor parallelism splits this model (meshspeed.apply_tensor_parallel reads it);
+    # plain data, so this file imports nothing of meshspeed's. See tensor_parallel/plan.py.
+    tp_plan = {
+        "layers.*.attn.wq": {"kind": "column", "multiple": "head_dim"},
+        "layers.*.attn.wk": {"kind": "column", "multiple": "head_dim"},
+        "layers.*.attn.wv": {"kind": "column", "multiple": "head_dim"},
+        "layers.*.attn.wo": {"kind": "row", "multiple": "head_dim"},
+        "layers.*.mlp.w1": "column",
+        "layers.*.mlp.w3": "column",
+        "layers.*.mlp.w2": "row",
+        "layers.*.attn_norm": "sequence_norm",
+        "layers.*.mlp_norm": "sequence_norm",
+        "norm": "sequence_norm",
+        "tok_emb": "vocab",
+        "lm_head": "vocab_head",
+        "loss_fn": "loss",
+    }
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
@@ -190,6 +210,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # one Parameter, used twice
+        # A module, not F.cross_entropy, so that tensor parallelism can swap in the
+        # vocab-parallel cross-entropy and full-vocabulary logits are never built.
+        self.loss_fn = nn.CrossEntropyLoss()
         self.init_weights()
 
     @torch.no_grad()
@@ -215,7 +238,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids. Returns logits (B, T, vocab) when targets is None,
-        else the mean cross-entropy of predicting targets (B, T) as a scalar."""
+        else the mean cross-entropy of predicting targets (B, T) as a scalar.
+
+        Under tensor parallelism the logits are this rank's shard of the vocabulary,
+        (B, T, ceil(vocab / tp)), the last rank's tail columns padding; the loss is whole."""
         B, T = idx.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
@@ -228,7 +254,7 @@ class GPT(nn.Module):
             return logits
         # Cross-entropy in fp32 whatever the compute dtype: the softmax over the vocab is
         # where low precision hurts most.
-        return F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
+        return self.loss_fn(logits.float().view(B * T, -1), targets.reshape(B * T))
 
     @torch.no_grad()
     def generate(

@@ -11,16 +11,32 @@ from meshspeed import comm
 
 
 def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
-                     device: torch.device | None = None) -> torch.Tensor:
+                     device: torch.device | None = None, *, tp_group: Any = None,
+                     tp_split: Sequence[bool] | None = None) -> torch.Tensor:
     """L2 norm of all gradients. `groups`: the groups over which ranks hold disjoint slices
     of the gradients (the strategy's `grad_norm_groups()`); the squares are summed over
     each, one scalar all-reduce per group, on `device`: the backend's device, which for
     NCCL is the GPU even when offloaded gradients live on the host. Empty: every rank
-    holds all gradients, no collective."""
+    holds all gradients, no collective.
+
+    Note [one norm across tensor-parallel shards]
+    With tensor parallelism (`tp_group`), `tp_split[i]` says whether grads[i] belongs to a
+    parameter split over the tp group (each tp rank holds a different piece: its squares
+    add up over tp) or to one replicated over it (every tp rank holds the same values:
+    counted once). Each rank adds its split squares and 1/tp of its replicated squares,
+    and one more scalar all-reduce over tp gives every rank the same total."""
     if grads:
-        sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
+        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square()
+        if tp_group is not None:
+            tp = comm.get_world_size(tp_group)
+            weight = torch.tensor([1.0 if s else 1.0 / tp for s in tp_split], dtype=norms.dtype,
+                                  device=norms.device)
+            norms = norms * weight
+        sq = norms.sum()
     else:
         sq = torch.zeros(())
+    if tp_group is not None:
+        groups = [*groups, tp_group]
     if groups:
         home = sq.device
         sq = sq.to(device or home)

@@ -89,6 +89,13 @@ def param_count(shape: Any) -> int:
     return s.vocab_size * s.d_model + s.n_layer * block_param_count(s) + s.d_model + head
 
 
+def split_param_count(shape: Any) -> int:
+    """Parameters tensor parallelism splits: every projection, the embedding and the head
+    (the norms stay whole on every tp rank)."""
+    s = ModelShape.from_any(shape)
+    return param_count(s) - s.n_layer * 2 * s.d_model - s.d_model
+
+
 def block_param_count(shape: Any) -> int:
     """Parameters of one block: the unit a ZeRO-3 all-gather brings in at once."""
     s = ModelShape.from_any(shape)
@@ -102,12 +109,20 @@ def activation_bytes(
     seq_len: int,
     act_bytes: float = 2,
     checkpointing: bool = False,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> dict[str, int]:
     """Bytes saved for backward by one micro-batch of micro_batch_size x seq_len tokens.
 
     act_bytes is the width of activations (2 for bf16/fp16, 4 for fp32). Returns the parts
     and their sum under "total". With checkpointing, each block keeps only its input, and
     one block's full activations exist again while that block is recomputed in backward.
+
+    With tensor parallelism over `tp` ranks, what lives between a column- and a row-parallel
+    layer (q, k, v, attention output, the SwiGLU intermediates, per-head statistics) and the
+    vocabulary-parallel log-probabilities are 1/tp per rank; the norms' activations and block
+    inputs are whole on every rank, unless `sequence_parallel` splits them along the
+    sequence too (Korthikanti et al. 2022: everything is then 1/tp).
     """
     if micro_batch_size < 1 or seq_len < 1:
         raise ValueError("micro_batch_size and seq_len must be >= 1")
@@ -120,13 +135,18 @@ def activation_bytes(
     #   q, k, v at n_head width = 3d; SDPA output and Wo's input = 2d;
     #   SwiGLU: W1 y, silu(W1 y), W3 y, their product = 4f.
     #   Float32 extras: rstd of each norm (2) and a log-sum-exp per query head (n_head).
-    per_token = act_bytes * (9 * d + 4 * f) + wide * 2 * d + FP32 * (2 + s.n_head)
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    seq_split = tp if sequence_parallel else 1
+    split = act_bytes * (5 * d + 4 * f) + FP32 * s.n_head  # between column and row layers
+    whole = act_bytes * 4 * d + wide * 2 * d + FP32 * 2  # the two norms
+    per_token = split / tp + whole / seq_split
     block = math.ceil(tokens * per_token)
-    block_input = math.ceil(tokens * d * act_bytes)
+    block_input = math.ceil(tokens * d * act_bytes / seq_split)
     # Outside the blocks: token ids and targets, the final norm, the float32 log-probabilities
     # the cross-entropy keeps (B*T*vocab*4: often the largest single activation).
-    final_norm = math.ceil(tokens * (d * wide + 2 * d * act_bytes + FP32))
-    logits = tokens * s.vocab_size * FP32
+    final_norm = math.ceil(tokens * (d * wide + 2 * d * act_bytes + FP32) / seq_split)
+    logits = math.ceil(tokens * s.vocab_size * FP32 / tp)
     ids = 2 * tokens * INDEX
     if checkpointing:
         layers = s.n_layer * block_input + block  # kept inputs + one block being recomputed

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameter count (7.5e9, 7.5B); default: counted from the shape")
     parser.add_argument("--dp", type=int,
                         help="data-parallel degree N_d; omit for the paper's Table 1 layout")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: norms and dropout on a sequence shard too")
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
                         help="one ZeRO stage (default: every stage the offload settings allow)")
     parser.add_argument("--param-bytes", type=_bytes, default=2, help="default 2 (bf16/fp16)")
@@ -105,6 +108,8 @@ def main(args: argparse.Namespace) -> int:
             "reduce_bucket_size": int(args.reduce_bucket_size),
             "prefetch_bucket_size": int(args.prefetch_bucket_size),
             "max_live_parameters": int(args.max_live_parameters),
+            "tp": args.tp,
+            "sequence_parallel": args.sequence_parallel,
         }
         if args.dp is None:
             rows = estimate_table(num_params, stages=stages, **kwargs)

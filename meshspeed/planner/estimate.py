@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from meshspeed.planner.activations import ModelShape, activation_bytes, block_param_count
+from meshspeed.planner.activations import ModelShape, activation_bytes, block_param_count, split_param_count
 from meshspeed.planner.report import format_report, format_table
 
 __all__ = [
@@ -64,6 +64,8 @@ def estimate_memory(
     prefetch_bucket_size: int = 50_000_000,
     max_live_parameters: int = 1_000_000_000,
     comm_dtype_bytes: float | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> dict[str, Any]:
     """Bytes per device for training num_params parameters with ZeRO `stage` over `dp` ranks.
 
@@ -86,10 +88,20 @@ def estimate_memory(
     the device; the device then holds only gathered working parameters. The allgather bucket
     is used after backward, when activations are freed, so it does not add to the peak and
     is accepted for symmetry with ZeRO configs only.
+
+    tp: tensor-parallel degree. Each rank holds 1/tp of every split parameter (with a
+    model_shape: the projections, embedding and head; without one, all num_params are
+    taken as split) and the whole of the rest; ZeRO then shards that over `dp`:
+    per rank, model states = K' x ceil((split/tp + replicated) / dp) for a sharded state.
+    "num_params_per_tp_rank" is the count ZeRO works on.
     """
     del allgather_bucket_size  # Note in the docstring: not live at the activation peak.
     _check(num_params, dp, stage, offload_optimizer, offload_param)
-    psi = round(num_params)
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+    total_psi = round(num_params)
+    split = total_psi if model_shape is None else min(total_psi, split_param_count(model_shape))
+    psi = -(-split // tp) + (total_psi - split)  # what one tp rank holds
     shard = -(-psi // dp)  # ceil, in integers
     per_param = {"params": param_bytes, "grads": grad_bytes, "optimizer_states": optimizer_bytes}
     states = {
@@ -107,7 +119,8 @@ def estimate_memory(
         if micro_batch_size is None or seq_len is None:
             raise ValueError("model_shape needs micro_batch_size and seq_len for activations")
         acts = activation_bytes(
-            model_shape, micro_batch_size, seq_len, param_bytes, activation_checkpointing
+            model_shape, micro_batch_size, seq_len, param_bytes, activation_checkpointing,
+            tp=tp, sequence_parallel=sequence_parallel,
         )
 
     # Buffers live during backward, when activations peak: gradient buckets whenever
@@ -129,8 +142,10 @@ def estimate_memory(
     for name, tier in placement.items():
         tiers[tier] += states[name]
     return {
-        "num_params": psi,
+        "num_params": total_psi,
+        "num_params_per_tp_rank": psi,
         "dp": dp,
+        "tp": tp,
         "stage": stage,
         "stage_name": STAGE_NAMES[stage],
         "bytes_per_param": dict(per_param),

@@ -50,6 +50,8 @@ def _header(e: Mapping[str, Any]) -> str:
     parts = [
         f"{format_count(e['num_params'])} parameters",
         f"dp={e['dp']}",
+        *([f"tp={e['tp']} ({format_count(e['num_params_per_tp_rank'])} per tp rank)"]
+          if e.get("tp", 1) > 1 else []),
         f"bytes/param p={b['params']:g} g={b['grads']:g} K={b['optimizer_states']:g}",
     ]
     for key in ("offload_optimizer", "offload_param"):

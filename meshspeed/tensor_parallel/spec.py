@@ -123,3 +123,17 @@ def shards_by_name(module: torch.nn.Module) -> dict[str, TPShard]:
     """{parameter name as in named_parameters(): TPShard} for the split parameters."""
     by_id = shards_by_param(module)
     return {name: by_id[id(p)] for name, p in module.named_parameters() if id(p) in by_id}
+
+
+def partial_grad_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters whose gradients are partial sums over the tp group (sequence-parallel
+    norms, a sequence-parallel row layer's bias), each once, in module order (modules list
+    theirs in `tp_partial_grads`: attribute names). The engine all-reduces their gradients
+    over tp once per step."""
+    out: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        for attr in getattr(sub, "tp_partial_grads", ()):
+            param = getattr(sub, attr)
+            if param is not None:
+                out.setdefault(id(param), param)
+    return list(out.values())

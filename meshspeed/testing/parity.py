@@ -32,6 +32,14 @@ class ParitySetup:
     lr: float = 1e-3
     model: dict = field(default_factory=dict)
     extra_config: dict = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel degree; data parallel is world // tp
+    sequence_parallel: bool = False
+    overlap: bool = False  # tensor_parallel.tp_overlap_comm
+    family: str = "gpt"  # "gpt" (meshspeed.models.gpt), "llama" or "gpt2" (transformers)
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
 
     def gpt_config(self) -> GPTConfig:
         base = {"vocab_size": 64, "max_seq_len": self.seq, "n_layer": 2, "n_head": 2,
@@ -57,6 +65,9 @@ class ParitySetup:
         }
         if self.precision in ("bf16", "fp16"):
             cfg[self.precision] = {"enabled": True}
+        if self.tp > 1:
+            cfg["tensor_parallel"] = {"autotp_size": self.tp, "sequence_parallel": self.sequence_parallel,
+                                      "tp_overlap_comm": self.overlap}
         for key, value in self.extra_config.items():
             if isinstance(value, dict) and isinstance(cfg.get(key), dict):
                 cfg[key] = {**cfg[key], **value}
@@ -67,18 +78,51 @@ class ParitySetup:
 
 def build_model(setup: ParitySetup, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    model = GPT(setup.gpt_config())
+    model = GPT(setup.gpt_config()) if setup.family == "gpt" else _hf_model(setup)
     if setup.frozen:
         for p in model.layers[0].mlp.parameters():
             p.requires_grad_(False)
     return model
 
 
+def _hf_model(setup: ParitySetup) -> nn.Module:
+    """A small randomly initialised transformers model (built from a config, never
+    downloaded), eager attention and no dropout so one process and tp ranks compute alike."""
+    import transformers
+
+    c = setup.gpt_config()
+    if setup.family == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.hidden_dim,
+            num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+            num_key_value_heads=c.kv_heads, max_position_embeddings=c.max_seq_len,
+            tie_word_embeddings=c.tie_embeddings, attention_dropout=0.0)
+        cls = transformers.LlamaForCausalLM
+    elif setup.family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=c.vocab_size, n_embd=c.d_model, n_layer=c.n_layer, n_head=c.n_head,
+            n_positions=c.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            tie_word_embeddings=True)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        raise ValueError(f"unknown model family {setup.family!r}; expected gpt, llama or gpt2")
+    cfg._attn_implementation = "eager"
+    return cls(cfg)
+
+
+def model_loss(setup: ParitySetup, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of `tokens` (B, seq + 1) under the setup's model."""
+    if setup.family == "gpt":
+        return model(tokens[:, :-1], tokens[:, 1:])
+    return model(input_ids=tokens, labels=tokens).loss
+
+
 def make_batches(setup: ParitySetup, seed: int = 1234) -> torch.Tensor:
-    """(steps, gas, world * micro, seq + 1) token ids; rank r takes rows [r*micro, (r+1)*micro)."""
+    """(steps, gas, dp * micro, seq + 1) token ids; data-parallel rank d takes rows
+    [d*micro, (d+1)*micro) (every tp rank of it the same rows)."""
     g = torch.Generator().manual_seed(seed)
     vocab = setup.gpt_config().vocab_size
-    shape = (setup.steps, setup.gas, setup.world * setup.micro, setup.seq + 1)
+    shape = (setup.steps, setup.gas, setup.dp * setup.micro, setup.seq + 1)
     return torch.randint(0, vocab, shape, generator=g)
 
 
@@ -92,7 +136,7 @@ def reference_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tens
     losses = []
     for batch in make_batches(setup):
         tokens = batch.reshape(-1, setup.seq + 1)
-        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss = model_loss(setup, model, tokens)
         loss.backward()
         if setup.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, setup.clip)
@@ -116,14 +160,14 @@ def train_steps(engine, setup: ParitySetup, first: int = 0, last: int | None = N
     the global mean loss of each step."""
     from meshspeed import comm
 
-    rank = comm.get_rank()
+    rank = engine.mesh.coord("dp")
     rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
     losses = []
     for batch in make_batches(setup)[first:last]:
         total = torch.zeros(())
         for micro in batch:
             tokens = micro[rows]
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            loss = model_loss(setup, engine, tokens)
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
@@ -133,12 +177,37 @@ def train_steps(engine, setup: ParitySetup, first: int = 0, last: int | None = N
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
-    """Whole parameters (gathered under stage 3) as fp32 copies, plus buffers."""
+    """Whole parameters (gathered under stage 3, and from the tensor-parallel pieces) as
+    fp32 copies, plus buffers."""
     from meshspeed.zero import GatheredParameters
 
     module = engine.module
     with GatheredParameters(list(module.parameters())):
-        return {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+        state = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+        return logical_state(module, state, engine.mesh.group("tp"))
+
+
+def logical_state(module: nn.Module, state: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
+    """`state` with every tensor-parallel piece replaced by the whole parameter (a
+    collective over the tp group: every tp rank's local tensor is gathered)."""
+    from meshspeed import comm
+    from meshspeed.tensor_parallel.spec import TPShard, shards_by_param
+
+    split = shards_by_param(module)
+    if not split:
+        return state
+    param_of = {name: id(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    out = dict(state)
+    for name in sorted(state):  # the same order on every tp rank
+        shard = split.get(param_of.get(name, -1))
+        if shard is None:
+            continue
+        pieces = comm.all_gather_object((state[name], shard.to_json()), group=tp_group)
+        full = torch.zeros(shard.logical_shape, dtype=state[name].dtype)
+        for piece, info in pieces:
+            TPShard.from_json(info).logical_into(piece, full)
+        out[name] = full
+    return out
 
 
 def assert_close_parity(ref, got, rtol: float = 1e-5, atol: float = 1e-6) -> None:

@@ -1,0 +1,121 @@
+"""The mesh `initialize` builds, and tensor parallelism applied over it.
+
+The parallel degrees come from the config (`tensor_parallel.autotp_size`; pipeline,
+context and expert degrees arrive with their features), data parallelism is what is left
+of the world; or, with `initialize(mpu=...)`, from the mpu's own process groups. Every
+group the engine, the strategies and the layers use comes from this one Topology.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshspeed import comm
+from meshspeed.config import ConfigError, MeshspeedConfig
+from meshspeed.config.loader import _read
+from meshspeed.config.tensor_parallel import TensorParallelConfig
+from meshspeed.runtime.distributed import describe_world
+from meshspeed.topology import ParallelDims, Topology, build_topology, topology_from_mpu
+
+
+def tensor_parallel_section(config: Any) -> TensorParallelConfig:
+    """The `tensor_parallel` section alone, read before the whole config (whose batch
+    triad needs the data-parallel size that the tp degree decides)."""
+    if isinstance(config, MeshspeedConfig):
+        return config.tensor_parallel
+    raw = _read(config).get("tensor_parallel") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"tensor_parallel: expected an object, got {type(raw).__name__}"])
+    raw = dict(raw)
+    if "tp_size" in raw and "autotp_size" not in raw:  # the alias; load_config checks the rest
+        raw["autotp_size"] = raw.pop("tp_size")
+    try:
+        return TensorParallelConfig.checked(raw, "tensor_parallel.")
+    except ConfigError:
+        return TensorParallelConfig()  # load_config reports the problem with the others
+
+
+def build_layout(config: Any, mpu: Any, device: torch.device) -> Topology:
+    """The Topology for this run. Collective over the world."""
+    tp = tensor_parallel_section(config).size
+    if mpu is not None:
+        topology = topology_from_mpu(mpu)
+        if tp > 1 and tp != topology.size("tp"):
+            raise ConfigError([f"tensor_parallel.autotp_size: {tp}, but the mpu's model-parallel "
+                               f"group has {topology.size('tp')} ranks; make them equal or drop the key"])
+        return topology
+    world = comm.get_world_size()
+    if world % tp:
+        raise ConfigError([f"tensor_parallel.autotp_size: {tp} does not divide the world size "
+                           f"{world} ({describe_world()}); use a divisor of {world}"])
+    return build_topology(ParallelDims(world, tp=tp), device_type=device.type)
+
+
+def describe_layout(topology: Topology) -> str:
+    """"dp=4" or "tp=2 x dp=2 (from an mpu)", for logs and batch-size errors."""
+    dims = topology.dims
+    parts = [f"{axis}={dims.size(axis)}" for axis in ("pp", "tp", "cp") if dims.size(axis) > 1]
+    text = " x ".join(parts + [f"dp={dims.dp}"])
+    if topology.source == "mpu":
+        return text + " (from the mpu's groups)"
+    return text + f" of {describe_world()}" if parts else text + f" ({describe_world()})"
+
+
+def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParallelConfig) -> nn.Module:
+    """Apply tensor parallelism over the mesh's tp axis when the config asks for it. A
+    model the user already split (its layers list `tp_shards`) must be split over the same
+    ranks; with an mpu and no `autotp_size` the model is the user's own model-parallel
+    code (Megatron layers) and is left as it is."""
+    from meshspeed.tensor_parallel.spec import shards_by_param
+
+    if shards_by_param(model):
+        _check_presplit(model, topology)
+        return model
+    if not cfg.enabled:
+        if cfg.sequence_parallel or cfg.tp_overlap_comm:
+            raise ConfigError(["tensor_parallel.sequence_parallel / tp_overlap_comm need "
+                               "tensor_parallel.autotp_size > 1"])
+        return model
+    from meshspeed.parallel.zero.init_shards import is_partitioned
+    from meshspeed.tensor_parallel import apply_tensor_parallel
+    from meshspeed.tensor_parallel.ds_config import plan_from_deepspeed
+
+    if any(is_partitioned(p) for p in model.parameters()):
+        raise ConfigError(["tensor_parallel.autotp_size: models built under meshspeed.zero.Init "
+                           "cannot be split for tensor parallelism in this version; build the "
+                           "model normally (ZeRO-3 still shards it over the data-parallel axis)"])
+    plan = None
+    if cfg.partition_config is not None:
+        plan = plan_from_deepspeed(cfg.partition_config, model)
+    apply_tensor_parallel(model, topology, plan, sequence_parallel=cfg.sequence_parallel,
+                          overlap_comm=cfg.tp_overlap_comm)
+    _same_replicas(model, topology)
+    return model
+
+
+def _check_presplit(model: nn.Module, topology: Topology) -> None:
+    import torch.distributed as dist
+
+    want = topology.ranks("tp")
+    for name, sub in model.named_modules():
+        group = getattr(sub, "group", None) if getattr(sub, "tp_shards", None) else None
+        if group is not None and sorted(dist.get_process_group_ranks(group)) != want:
+            raise ConfigError([f"{name}: split over ranks {sorted(dist.get_process_group_ranks(group))}, "
+                               f"but this run's tensor-parallel group is {want}; split the model "
+                               "over engine.mesh (or the same layout) or let initialize split it"])
+
+
+@torch.no_grad()
+def _same_replicas(model: nn.Module, topology: Topology) -> None:
+    """Parameters tensor parallelism left whole start equal on every tp rank (tp rank 0's),
+    whatever each rank's seed was: they must stay replicas."""
+    from meshspeed.tensor_parallel.spec import shards_by_param
+
+    split = shards_by_param(model)
+    group = topology.group("tp")
+    for p in model.parameters():
+        if id(p) not in split:
+            comm.broadcast(p.data, src=0, group=group)
