@@ -29,7 +29,8 @@ of floating-point sums: the report checks each against `single` (within 1e-4).
 Note [exposed communication]
 Step time alone does not say whether an implementation hides its collectives behind
 compute. meshspeed's comm layer times how long the training thread waits in its
-collectives (`meshspeed.comm.blocked_seconds()`); the column is that time per step, the
+collectives (`meshspeed.comm.BlockedTimer`: host time inside a synchronous collective or
+the `wait()` of an asynchronous one, the autograd thread's included); the column is that time per step, the
 larger of the two ranks' medians. torch's DTensor and DeepSpeed's comm have no such timer,
 and anything measured from outside (e.g. a run with the collectives removed) would change
 what is measured, so their column is empty.
@@ -61,7 +62,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also in spawned ranks
 
 from tp_frameworks import ALL, DEEPSPEED, REFERENCE, Setup, build_model, make_batches, make_trainer
-from zero import _busy_seconds, _free_port, _tail, _worker_env, find_deepspeed_python, wait_until_idle
+from zero import (
+    _busy_seconds,
+    _free_port,
+    _tail,
+    _worker_env,
+    find_deepspeed_python,
+    wait_until_idle,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 LOSS_TOL = 1e-4  # first-step loss against `single`
@@ -82,17 +90,16 @@ def _timed_steps(trainer, batches: torch.Tensor, setup: Setup) -> dict:
         dist.barrier()  # start every step together; the barrier is not timed
         if i == setup.warmup:
             busy0, wall0, loop_cpu0 = _busy_seconds(), time.perf_counter(), time.process_time()
-        b0 = trainer.blocked_s()
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = trainer.step(x)
+        with trainer.blocked_timer() as blocked:
+            loss = trainer.step(x)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-        b1 = trainer.blocked_s()
         res["losses"].append(float(loss.detach()))
         if i >= setup.warmup:
             res["step_s"].append(elapsed)
             res["cpu_s"].append(cpu)
-            if b0 is not None and b1 is not None:
-                res["blocked_s"].append(b1 - b0)
+            if blocked.seconds is not None:
+                res["blocked_s"].append(blocked.seconds)
     loop_cpu = time.process_time() - loop_cpu0
     ours = [0.0] * dist.get_world_size()
     dist.all_gather_object(ours, loop_cpu)
@@ -133,9 +140,11 @@ def spawn(name: str, setup: Setup, inputs: str) -> list[dict]:
         out = Path(tmp) / "result.json"
         try:
             mp.spawn(rank_main, args=(world, _free_port(), name, setup, inputs, str(out)), nprocs=world, join=True)
-        except Exception as err:  # a rank died outside the guarded part
+        except Exception as err:  # noqa: BLE001 - a rank died outside the guarded part
             if not out.exists():
                 return [{"unavailable": f"a rank died: {_first_line(err)}"}]
+            print(f"{name}: a rank failed after the results were written ({_first_line(err)}); keeping them",
+                  flush=True)
         return json.loads(out.read_text())
 
 
@@ -194,8 +203,8 @@ def table(rows: list[dict], setup: Setup) -> str:
     fastest = min(peers) if peers else None
     ref = next((r["first_loss"] for r in ran if r["name"] == REFERENCE), None)
     n = setup.warmup + setup.steps
-    out = [f"| implementation | step (ms) | vs fastest tp=2 | CPU ms / step | exposed comm (ms / step) "
-           f"| first-step loss | vs single | loss after {n} steps | other load | runs |",
+    out = [(f"| implementation | step (ms) | vs fastest tp=2 | CPU ms / step | exposed comm (ms / step) "
+           f"| first-step loss | vs single | loss after {n} steps | other load | runs |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "unavailable" in r:
@@ -207,7 +216,7 @@ def table(rows: list[dict], setup: Setup) -> str:
         check = "" if delta is None else (f"{delta:+.1e}" + ("" if abs(delta) <= LOSS_TOL else " **DIFFERS**"))
         noisy = "" if r.get("quiet", True) else " (noisy)"
         out.append(f"| {r['name']} | {r['step_ms']:.0f}{noisy} | {ratio} | {r['cpu_ms']:.0f} | {comm} | "
-                   f"{r['first_loss']:.6f} | {check} | {r['last_loss']:.4f} | {r['other_load']:.0%} "
+                   f"{r['first_loss']:.6f} | {check} | {r['last_loss']:.6f} | {r['other_load']:.0%} "
                    f"| {r.get('runs', 1)} |")
     return "\n".join(out)
 
@@ -217,7 +226,7 @@ def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params
     lines = [
         "## Tensor parallelism: torch TP, DeepSpeed AutoTP and meshspeed, tp=2 (`benchmarks/tensor_parallel.py`)",
         "",
-        f"A randomly initialised `transformers` LlamaForCausalLM with {params / 1e6:.2f}M parameters "
+        (f"A randomly initialised `transformers` LlamaForCausalLM with {params / 1e6:.2f}M parameters "
         f"(hidden {s.hidden_size}, SwiGLU {s.intermediate_size}, {s.num_layers} layers, {s.num_heads} query / "
         f"{s.num_kv_heads} key-value heads, vocabulary {s.vocab_size}, untied head), fp32, batch "
         f"{s.micro_batch} x {s.seq_len} tokens per step (the tp group's one batch), AdamW (lr {s.lr}, weight "
@@ -225,7 +234,7 @@ def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params
         "the same initial weights and token batches (Note [one init, one batch file] in the script) and runs "
         "in its own fresh processes: 2 gloo ranks, one intra-op thread each (`single`: one process, no TP). "
         f"Step time is rank 0's median over {s.steps} timed steps after {s.warmup} warm-up steps; each step "
-        "is forward + backward + optimizer step, started at an untimed barrier.",
+        "is forward + backward + optimizer step, started at an untimed barrier."),
         "",
         "```",
         command,
@@ -235,17 +244,19 @@ def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params
         "",
         table(rows, setup),
         "",
-        "- **torch-tp**: `parallelize_module` with torchtitan's Llama plan (q/k/v, gate/up column-parallel; "
+        ("- **torch-tp**: `parallelize_module` with torchtitan's Llama plan (q/k/v, gate/up column-parallel; "
         "o, down row-parallel; vocabulary-sharded embedding; column-parallel head gathered to full logits). "
         "**-sp**: sequence parallelism (norms on T/2 tokens, reduce-scatter + all-gather instead of all-reduce). "
-        "**-lp**: loss parallelism (the head's logits stay vocabulary-sharded into the cross-entropy).",
-        "- **deepspeed-autotp**: `deepspeed.initialize` with `\"tensor_parallel\": {\"autotp_size\": 2}` and "
+        "**-lp**: loss parallelism (the head's logits stay vocabulary-sharded into the cross-entropy)."),
+        ("- **deepspeed-autotp**: `deepspeed.initialize` with `\"tensor_parallel\": {\"autotp_size\": 2}` and "
         "ZeRO stage 0; AutoTP reads the model's HF `tp_plan` (the embedding stays replicated, the head is "
-        "column-parallel with gathered output).",
-        "- **meshspeed-tp**: `meshspeed.initialize` with `\"tensor_parallel\": {\"autotp_size\": 2}`; **-sp** "
-        "adds `\"sequence_parallel\": true`, **-overlap** `\"tp_overlap_comm\": true`.",
-        "- **exposed comm**: time the training thread spent blocked in collectives per step, from meshspeed's "
-        "comm-layer timer (Note [exposed communication]); torch and DeepSpeed have no such timer.",
+        "column-parallel with gathered output)."),
+        ("- **meshspeed-tp**: `meshspeed.initialize` with `\"tensor_parallel\": {\"autotp_size\": 2}`; **-sp** "
+        "adds `\"sequence_parallel\": true`, **-overlap** `\"tp_overlap_comm\": true`."),
+        ("- **exposed comm**: time the training thread spent blocked in collectives per step, from meshspeed's "
+        "comm-layer timer (Note [exposed communication]), the larger of the ranks' medians; it includes time "
+        "spent waiting for the peer to reach the collective, not only the transfer. torch and DeepSpeed have "
+        "no such timer."),
         "- **vs single**: first-step loss minus the one-process reference's (tolerance 1e-4).",
         "- **other load**: share of the machine's CPU other processes used during the timed steps.",
         "",

@@ -1,8 +1,9 @@
 """The tensor-parallel implementations `tensor_parallel.py` compares, behind one trainer.
 
 A trainer has `step(x) -> loss` (forward, backward and the optimizer step on one batch)
-and `blocked_s()`: the seconds, so far, the training thread spent blocked in a collective,
-or None where the implementation has no way to tell. Every trainer trains the same
+and `blocked_timer()`: a context manager whose `seconds` is, on exit, the time this process
+spent blocked in collectives inside it (meshspeed's `comm.BlockedTimer`), or None where the
+implementation has no way to tell. Every trainer trains the same
 randomly initialised `transformers` Llama (the parent builds it once and hands every
 variant its state dict, Note [one init, one batch file] in tensor_parallel.py) with AdamW
 (torch's fused kernel everywhere), no gradient clipping, on the same token batches; TP has
@@ -105,8 +106,8 @@ class SingleTrainer:
         self.opt.zero_grad(set_to_none=True)
         return loss
 
-    def blocked_s(self):
-        return None
+    def blocked_timer(self):
+        return NoTimer()
 
 
 # -- torch's own TP, applied as torchtitan applies it to Llama -----------------------------------
@@ -193,8 +194,8 @@ class TorchTPTrainer:
             opt.zero_grad(set_to_none=True)
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
-    def blocked_s(self):
-        return None
+    def blocked_timer(self):
+        return NoTimer()
 
 
 # -- DeepSpeed AutoTP and meshspeed: the same initialize call and config -------------------------
@@ -232,17 +233,24 @@ class EngineTrainer:
         self.engine.step()
         return loss
 
-    def blocked_s(self):
-        return meshspeed_blocked_s() if self.library == "meshspeed" else None
+    def blocked_timer(self):
+        if self.library != "meshspeed":
+            return NoTimer()
+        from meshspeed import comm
+
+        return comm.BlockedTimer()  # host time inside sync collectives and async waits
 
 
-def meshspeed_blocked_s() -> float | None:
-    """Seconds this thread has spent blocked in meshspeed's collectives, from the comm
-    layer's own timer; None while meshspeed.comm has none."""
-    from meshspeed import comm
+class NoTimer:
+    """A blocked-time timer that measures nothing (`seconds` is None)."""
 
-    timer = getattr(comm, "blocked_seconds", None)
-    return float(timer()) if callable(timer) else None
+    seconds = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
 
 
 def make_trainer(name: str, setup: Setup, world: int, state_dict: dict):
