@@ -15,6 +15,8 @@ at 1..T-1, mean over the B(T-1) targets (`labels=x` for the HF forward, which sh
 
 from __future__ import annotations
 
+import os
+
 import importlib
 from dataclasses import dataclass
 
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 # name -> (implementation, sequence parallel, loss parallel / overlap)
 TORCH = ["torch-tp", "torch-tp-sp", "torch-tp-sp-lp"]
 DEEPSPEED = ["deepspeed-autotp"]
-MESHSPEED = ["meshspeed-tp", "meshspeed-tp-sp", "meshspeed-tp-sp-overlap"]
+MESHSPEED = ["meshspeed-tp", "meshspeed-tp-overlap", "meshspeed-tp-sp", "meshspeed-tp-sp-overlap"]
 REFERENCE = "single"  # one process, no TP: the losses' ground truth, and what TP buys
 ALL = [REFERENCE, *TORCH, *DEEPSPEED, *MESHSPEED]
 
@@ -206,6 +208,8 @@ def engine_config(setup: Setup, tp: int, sequence_parallel: bool = False, overla
     tensor_parallel: dict = {"autotp_size": tp}
     if library == "meshspeed":
         tensor_parallel.update(tp_overlap_comm=overlap, sequence_parallel=sequence_parallel)
+        if overlap and os.environ.get("MESHSPEED_BENCH_CHUNKS"):
+            tensor_parallel["overlap_chunks"] = int(os.environ["MESHSPEED_BENCH_CHUNKS"])
     return {
         "train_micro_batch_size_per_gpu": setup.micro_batch,
         # torch_adam: DeepSpeed uses torch.optim.AdamW (no JIT-built op); meshspeed ignores it

@@ -30,7 +30,7 @@ class TensorParallelConfig(StrictModel):
     # meshspeed: Megatron sequence parallelism (norms/dropout on a sequence shard; the
     # all-reduce becomes all-gather + reduce-scatter)
     sequence_parallel: bool = False
-    overlap_chunks: int = Field(2, ge=2)  # meshspeed: chunks per collective with tp_overlap_comm
+    overlap_chunks: int = Field(4, ge=2)  # meshspeed: chunks per collective with tp_overlap_comm
     partition_config: dict[str, Any] | None = None  # DeepSpeed's layer_specs form
     preset_model: str | None = None  # DeepSpeed preset name; meshspeed detects the family itself
     tp: TPInferenceConfig = Field(default_factory=TPInferenceConfig)

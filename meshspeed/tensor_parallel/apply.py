@@ -33,7 +33,7 @@ from meshspeed.tensor_parallel.spec import shards_by_param
 
 def apply_tensor_parallel(model: nn.Module, mesh: Any, plan: dict | None = None, *,
                           sequence_parallel: bool = False,
-                          overlap_comm: bool = False, overlap_chunks: int = 2) -> nn.Module:
+                          overlap_comm: bool = False, overlap_chunks: int = 4) -> nn.Module:
     """Split `model` over the tensor-parallel axis of `mesh`, in place; returns `model`.
 
     mesh: a `meshspeed.topology.Topology`, a DeviceMesh with a "tp" dimension, or a 1-D
@@ -174,10 +174,9 @@ class _Splitter:
             kw = {"sequence_parallel": sp, "overlap_chunks": chunks, "weight_layout": layout}
             if kind == "row":
                 return layers.RowParallelLinear.from_module(module, self.group, **kw)
-            kw["shared_gather"] = self._shared_gather(a.name, sp)
             return layers.ColumnParallelLinear.from_module(
                 module, self.group, parts=a.parts, multiple=a.multiple,
-                gather_output=a.entry.gather_output, **kw)
+                gather_output=a.entry.gather_output, shared_gather=self._shared_gather(a.name, sp), **kw)
         if kind == "vocab":
             new = layers.VocabParallelEmbedding.from_module(module, self.group,
                                                             sequence_parallel=sp)

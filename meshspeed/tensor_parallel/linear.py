@@ -111,6 +111,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.overlap_chunks, self.seq_dim, self.weight_layout = overlap_chunks, seq_dim, weight_layout
         self.shared_gather, self.save_gathered_input = shared_gather, save_gathered_input
+        if shared_gather is not None and hasattr(shared_gather, "join"):
+            shared_gather.join(self)
         rank, size = collectives.get_rank(group), collectives.get_world_size(group)
         pieces, local = even_pieces(out_features, rank, size, parts=parts, multiple=multiple)
         dim = 0 if weight_layout == "out_in" else 1
@@ -149,8 +151,11 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mode, chunks = ("gather" if self.sequence_parallel else "copy"), self.overlap_chunks
-        if self.shared_gather is not None:  # Note [one gather for sibling column layers]
-            x, mode = self.shared_gather(x), "local"
+        shared = self.shared_gather
+        if shared is not None and hasattr(shared, "output"):  # Note [one gather for sibling column layers]
+            return shared.output(self, x)
+        if shared is not None:  # a boundary gathered the input already (boundaries.py)
+            x, mode = shared(x), "local"
         out = ColumnLinearFn.apply(x, self.weight, self.bias, self.group, mode, self.seq_dim,
                                    chunks, self.save_gathered_input, self.weight_layout)
         if self.gather_output:

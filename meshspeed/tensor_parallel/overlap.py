@@ -121,23 +121,33 @@ class ColumnLinearFn(torch.autograd.Function):
 def _gather_gemm_chunks(x, weight, group, dim: int, k: int, layout: str, keep_input: bool):
     """Forward of a sequence-parallel column layer in k chunks (Note [overlapping
     tensor-parallel communication]): (output, the gathered input if keep_input else None)."""
+    (out,), full = gather_gemms_chunked(x, [weight], group, dim, k, [layout], keep_input)
+    return out, full
+
+
+def gather_gemms_chunked(x, weights, group, dim: int, k: int, layouts, keep_input: bool):
+    """The chunked sequence all-gather of `x` under the GEMMs of every weight in `weights`
+    (sibling columns share it): ([output per weight], the gathered input or None)."""
     t = collectives.get_world_size(group)
     pending = [gather_along(c, group, dim, async_op=True) for c in _seq_chunks(x, dim, k)]
-    out = full = None
+    outs, full = [None] * len(weights), None
     tc = x.shape[dim] // k
     for c, p in enumerate(pending):
         gathered = p.wait()  # (.., t * tc, ..): sequence positions (r, c, j)
-        part = matmul(gathered, weight, layout)
-        if out is None:
-            shape = list(part.shape)
+        if keep_input and full is None:
+            shape = list(gathered.shape)
             shape[dim] *= k
-            out = part.new_empty(shape)
-            if keep_input:
-                full = x.new_empty((*shape[:-1], x.shape[-1]))
-        out.unflatten(dim, (t, k, tc)).select(dim + 1, c).copy_(part.unflatten(dim, (t, tc)))
+            full = x.new_empty(shape)
+        for i, (weight, layout) in enumerate(zip(weights, layouts)):
+            part = matmul(gathered, weight, layout)
+            if outs[i] is None:
+                shape = list(part.shape)
+                shape[dim] *= k
+                outs[i] = part.new_empty(shape)
+            outs[i].unflatten(dim, (t, k, tc)).select(dim + 1, c).copy_(part.unflatten(dim, (t, tc)))
         if full is not None:
             full.unflatten(dim, (t, k, tc)).select(dim + 1, c).copy_(gathered.unflatten(dim, (t, tc)))
-    return out, full
+    return outs, full
 
 
 class RowLinearChunkedFn(torch.autograd.Function):

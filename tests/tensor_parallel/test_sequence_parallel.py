@@ -175,7 +175,8 @@ def _shared_gather_body(sp: bool = True):
         gather = SharedGather(None, seq_dim=1, gather=sp) if shared else None
         layers = [ColumnParallelLinear.from_module(r, None, sequence_parallel=sp) for r in refs]
         for layer in layers:
-            layer.shared_gather = gather  # as whoever builds the siblings does
+            if gather is not None:
+                gather.join(layer)  # as whoever builds the siblings does
         x = (seq_shard(X) if sp else X).clone().requires_grad_()
         h = x * 1.0  # the norm's output, say
         with comm.CommCounter() as fwd:
