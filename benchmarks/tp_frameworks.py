@@ -15,9 +15,8 @@ at 1..T-1, mean over the B(T-1) targets (`labels=x` for the HF forward, which sh
 
 from __future__ import annotations
 
-import os
-
 import importlib
+import os
 from dataclasses import dataclass
 
 import torch

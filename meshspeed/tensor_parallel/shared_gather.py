@@ -28,8 +28,12 @@ from typing import Any
 import torch
 
 from meshspeed.comm.along import all_reduce_pending, gather_along, reduce_scatter_along
-from meshspeed.tensor_parallel.overlap import (_grad_input, _grad_weight, gather_gemms_chunked,
-                                               matmul)
+from meshspeed.tensor_parallel.overlap import (
+    _grad_input,
+    _grad_weight,
+    gather_gemms_chunked,
+    matmul,
+)
 
 
 class SiblingColumnsFn(torch.autograd.Function):
