@@ -21,6 +21,8 @@ _LAZY = {
     "DivergenceError": ("meshspeed.engine.agreement", "DivergenceError"),
     "estimate_memory": ("meshspeed.planner.estimate", "estimate_memory"),
     "apply_tensor_parallel": ("meshspeed.tensor_parallel.apply", "apply_tensor_parallel"),
+    "tp_model_init": ("meshspeed.tensor_parallel.deepspeed_api", "tp_model_init"),
+    "set_autotp_mode": ("meshspeed.tensor_parallel.deepspeed_api", "set_autotp_mode"),
     "zero": ("meshspeed.zero", None),
     "comm": ("meshspeed.comm", None),
     "checkpoint": ("meshspeed.checkpoint", None),

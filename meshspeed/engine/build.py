@@ -72,7 +72,7 @@ def initialize(
     if device.type == "cpu":
         tune_host_allocator()  # Note [a fixed mmap threshold for CPU training]
 
-    topology = build_layout(config, mpu, device)
+    topology = build_layout(config, mpu, device, model)
     dp_group, dp_size = topology.group("dp"), topology.size("dp")
     cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_layout(topology))
     report_no_effect(cfg, rank=comm.get_rank())
@@ -86,7 +86,7 @@ def initialize(
         raise ValueError(f"initialize(model=...): {type(model).__name__} has no trainable parameters "
                          f"({count} parameters, all with requires_grad=False); unfreeze some "
                          "(p.requires_grad_(True)) or run the model without an engine for inference")
-    model = split_tensor_parallel(model, topology, cfg.tensor_parallel)
+    model = split_tensor_parallel(model, topology, cfg.tensor_parallel, cfg.precision_dtype)
     module = _cast(model, device, cfg.precision_dtype)
     placement = offload_placement(cfg)
     strategy = _build_strategy(module, dp_group, cfg, placement)

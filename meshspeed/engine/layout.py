@@ -38,9 +38,27 @@ def tensor_parallel_section(config: Any) -> TensorParallelConfig:
         return TensorParallelConfig()  # load_config reports the problem with the others
 
 
-def build_layout(config: Any, mpu: Any, device: torch.device) -> Topology:
-    """The Topology for this run. Collective over the world."""
+def tensor_parallel_degree(config: Any, model: nn.Module, mpu: Any) -> int:
+    """tp from the config, merged with a `tp_model_init` request recorded on the model
+    (the config wins; a different non-default value in each is an error)."""
+    from meshspeed.tensor_parallel.deepspeed_api import request_of
+
     tp = tensor_parallel_section(config).size
+    request = request_of(model)
+    if request is None:
+        return tp
+    if tp > 1 and request["tp_size"] != tp:
+        raise ConfigError([f"tensor_parallel.autotp_size: {tp}, but tp_model_init asked for "
+                           f"tp_size {request['tp_size']}; make them equal or drop one"])
+    if request["tp_group"] is not None and mpu is not None:
+        raise ConfigError(["tp_model_init(tp_group=...) and initialize(mpu=...) both give a "
+                           "tensor-parallel group; pass one of them"])
+    return max(tp, request["tp_size"])
+
+
+def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module) -> Topology:
+    """The Topology for this run. Collective over the world."""
+    tp = tensor_parallel_degree(config, model, mpu)
     if mpu is not None:
         topology = topology_from_mpu(mpu)
         if tp > 1 and tp != topology.size("tp"):
@@ -51,7 +69,22 @@ def build_layout(config: Any, mpu: Any, device: torch.device) -> Topology:
     if world % tp:
         raise ConfigError([(f"tensor_parallel.autotp_size: {tp} does not divide the world size "
                            f"{world} ({describe_world()}); use a divisor of {world}")])
-    return build_topology(ParallelDims(world, tp=tp), device_type=device.type)
+    topology = build_topology(ParallelDims(world, tp=tp), device_type=device.type)
+    _check_requested_group(model, topology)
+    return topology
+
+
+def _check_requested_group(model: nn.Module, topology: Topology) -> None:
+    import torch.distributed as dist
+
+    from meshspeed.tensor_parallel.deepspeed_api import request_of
+
+    group = (request_of(model) or {}).get("tp_group")
+    if group is not None and sorted(dist.get_process_group_ranks(group)) != topology.ranks("tp"):
+        raise ConfigError([f"tp_model_init(tp_group=...): the group's ranks "
+                           f"{sorted(dist.get_process_group_ranks(group))} are not this rank's "
+                           f"tensor-parallel ranks {topology.ranks('tp')} (tp fastest: ranks "
+                           "r, r+1, ... form a group)"])
 
 
 def describe_layout(topology: Topology) -> str:
@@ -64,16 +97,24 @@ def describe_layout(topology: Topology) -> str:
     return text + f" of {describe_world()}" if parts else text + f" ({describe_world()})"
 
 
-def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParallelConfig) -> nn.Module:
+def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParallelConfig,
+                          dtype: torch.dtype) -> nn.Module:
     """Apply tensor parallelism over the mesh's tp axis when the config asks for it. A
     model the user already split (its layers list `tp_shards`) must be split over the same
     ranks; with an mpu and no `autotp_size` the model is the user's own model-parallel
     code (Megatron layers) and is left as it is."""
+    from meshspeed.tensor_parallel.deepspeed_api import request_of
     from meshspeed.tensor_parallel.spec import shards_by_param
 
     if shards_by_param(model):
         _check_presplit(model, topology)
         return model
+    request = request_of(model)
+    if request is not None and request["dtype"] not in (dtype, torch.float32):
+        raise ConfigError([f"tp_model_init(dtype={request['dtype']}): the config trains in {dtype}; "
+                           "enable the matching bf16/fp16 section (or pass that dtype)"])
+    if request is not None and not cfg.enabled and request["tp_size"] > 1:
+        cfg = cfg.model_copy(update={"autotp_size": request["tp_size"]})
     if not cfg.enabled:
         if cfg.sequence_parallel or cfg.tp_overlap_comm:
             raise ConfigError([("tensor_parallel.sequence_parallel / tp_overlap_comm need "

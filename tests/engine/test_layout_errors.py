@@ -9,6 +9,8 @@ from meshspeed.testing import run_distributed
 
 
 def _errors():
+    import torch
+
     import meshspeed
     from meshspeed.config import ConfigError
     from meshspeed.testing.parity import ParitySetup, build_model
@@ -20,10 +22,16 @@ def _errors():
         "heads": ({"tensor_parallel": {"autotp_size": 2}}, {"n_head": 1}),
         "alias": ({"tensor_parallel": {"tp_size": 2}}, {}),
     }
-    for name, (extra, model) in cases.items():
+    cases["tp_model_init"] = ({}, {}, 2)  # DeepSpeed's older call, no tensor_parallel block
+    cases["tp_model_init_mismatch"] = ({"tensor_parallel": {"autotp_size": 2}}, {}, 1)
+    for name, (extra, model, *request) in cases.items():
         setup = ParitySetup(world=2, model=model, extra_config=extra)
+        net = build_model(setup)
+        if request:
+            meshspeed.set_autotp_mode(training=True)
+            net = meshspeed.tp_model_init(net, tp_size=request[0], dtype=torch.float32)
         try:
-            engine, *_ = meshspeed.initialize(model=build_model(setup), config=setup.ds_config())
+            engine, *_ = meshspeed.initialize(model=net, config=setup.ds_config())
             out[name] = f"ok tp={engine.mesh.size('tp')} dp={engine.dp_world_size}"
         except ConfigError as err:
             out[name] = str(err)
@@ -37,3 +45,5 @@ def test_layout_errors_name_the_key_and_numbers():
     assert "need tensor_parallel.autotp_size > 1" in got["sp_without_tp"]
     assert "layers.0.attn.wq: 1 heads" in got["heads"] and "tp=2" in got["heads"], got["heads"]
     assert got["alias"] == "ok tp=2 dp=1"
+    assert got["tp_model_init"] == "ok tp=2 dp=1"
+    assert "tp_model_init asked for tp_size 1" in got["tp_model_init_mismatch"]
