@@ -35,6 +35,17 @@ larger of the two ranks' medians. torch's DTensor and DeepSpeed's comm have no s
 and anything measured from outside (e.g. a run with the collectives removed) would change
 what is measured, so their column is empty.
 
+Note [a link that does not take the CPU]
+On this 2-core machine gloo moves bytes with the same cores that run the GEMMs: an async
+all-reduce launched under a GEMM slows the GEMM by about what it takes (measured: a
+786 KB all-reduce 2.3 ms, a 512x384x1024 GEMM 3.9 ms, both together 6.0 ms), so overlap
+cannot hide communication here, only move where the waiting shows. GPUs move bytes with
+copy engines and NICs, not with the SMs running the GEMM. `--slow-link MS_PER_MB` adds
+that kind of link to meshspeed's runs (`meshspeed.testing.SlowLink`: every collective
+also occupies one simulated link for 0.1 ms + MB x MS_PER_MB, in order, without using the
+CPU), so the table shows what overlap hides when the link, not the CPU, is the limit. The
+results are the same numbers (the tests check it); only the timing changes.
+
 Timing follows zero.py (Note [timing on a shared machine] there): every step starts at an
 untimed barrier; rank 0's wall clock is the step time; the CPU time of each rank and the
 share of the machine other processes took meanwhile are recorded, and with `--repeats` the
@@ -221,11 +232,19 @@ def table(rows: list[dict], setup: Setup) -> str:
     return "\n".join(out)
 
 
-def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params: int) -> str:
+def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params: int,
+             slow_link: float = 0.0) -> str:
     s = setup
+    title = "## Tensor parallelism: torch TP, DeepSpeed AutoTP and meshspeed, tp=2 (`benchmarks/tensor_parallel.py`)"
+    if slow_link:
+        title = f"### meshspeed's overlap on a simulated link of {slow_link:g} ms/MB (`--slow-link`)"
     lines = [
-        "## Tensor parallelism: torch TP, DeepSpeed AutoTP and meshspeed, tp=2 (`benchmarks/tensor_parallel.py`)",
+        title,
         "",
+        *([f"Every collective of the meshspeed runs also occupies a simulated link for 0.1 ms + "
+           f"{slow_link:g} ms per MB moved, without using the CPU (Note [a link that does not take the "
+           "CPU] in the script): on this machine's own loopback the collectives use the cores the GEMMs "
+           "need, so overlap has nothing free to run on.", ""] if slow_link else []),
         (f"A randomly initialised `transformers` LlamaForCausalLM with {params / 1e6:.2f}M parameters "
         f"(hidden {s.hidden_size}, SwiGLU {s.intermediate_size}, {s.num_layers} layers, {s.num_heads} query / "
         f"{s.num_kv_heads} key-value heads, vocabulary {s.vocab_size}, untied head), fp32, batch "
@@ -264,8 +283,8 @@ def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params
     return "\n".join(lines)
 
 
-def write_docs(section: str, path: Path) -> None:
-    start, end = "<!-- tensor_parallel.py:start -->", "<!-- tensor_parallel.py:end -->"
+def write_docs(section: str, path: Path, key: str = "tensor_parallel.py") -> None:
+    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
     block = f"{start}\n{section}{end}\n"
     old = path.read_text()
     if start in old and end in old:
@@ -297,6 +316,9 @@ def parse_args(argv=None):
                     help="interpreter with DeepSpeed (default: the one ../shared/tools/anchor-venv.sh prints)")
     # DeepSpeed's venv side of spawn_in_venv
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--slow-link", type=float, default=0.0, metavar="MS_PER_MB",
+                    help="meshspeed runs only: add a simulated link of this many ms per MB "
+                         "(Note [a link that does not take the CPU])")
     ap.add_argument("--setup-json", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -323,6 +345,9 @@ def main(argv=None) -> None:
         setup = replace(setup, warmup=2, steps=4)
         args.repeats, args.wait_idle = 1, 0.0
     names = [n for n in args.variants.split(",") if n]
+    if args.slow_link:
+        os.environ["MESHSPEED_BENCH_SLOW_LINK"] = str(args.slow_link)  # the spawned ranks read it
+        names = [n for n in names if n.startswith("meshspeed")]
     if unknown := [n for n in names if n not in ALL]:
         sys.exit(f"unknown variant(s) {unknown}; choose from {ALL}")
     ds_python, ds_version = None, ""
@@ -357,13 +382,15 @@ def main(argv=None) -> None:
     if ds_python:
         machine["deepspeed"] = f"{ds_version} (its own venv, {ds_python})"
     command = " ".join([".venv/bin/python", "benchmarks/tensor_parallel.py", *(argv if argv is not None else sys.argv[1:])])
-    section = markdown(rows, setup, command, machine, params)
+    section = markdown(rows, setup, command, machine, params, args.slow_link)
     if args.markdown:
         print()
         print(section)
     if args.write_docs:
-        write_docs(section, REPO / "docs" / "benchmarks.md")
-        out = REPO / "benchmarks" / "results" / "tensor-parallel.json"
+        key = "tensor_parallel.py slow-link" if args.slow_link else "tensor_parallel.py"
+        write_docs(section, REPO / "docs" / "benchmarks.md", key)
+        out = REPO / "benchmarks" / "results" / ("tensor-parallel-slow-link.json" if args.slow_link
+                                                 else "tensor-parallel.json")
         out.write_text(json.dumps({"command": command, "machine": machine, "setup": asdict(setup), "params": params,
                                    "results": rows, "all_runs": runs}, indent=1))
         print(f"wrote docs/benchmarks.md (tensor_parallel.py section) and {out.relative_to(REPO)}")

@@ -229,6 +229,11 @@ class EngineTrainer:
         config = engine_config(setup, world, sequence_parallel, overlap, library)
         self.engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.library = library
+        ms_per_mb = float(os.environ.get("MESHSPEED_BENCH_SLOW_LINK", "0") or 0)
+        if library == "meshspeed" and ms_per_mb > 0:  # Note [a link that does not take the CPU]
+            from meshspeed.testing.slow_comm import SlowLink
+
+            self._link = SlowLink(latency=1e-4, seconds_per_mb=ms_per_mb / 1e3).__enter__()
 
     def step(self, x):
         loss = self.engine(input_ids=x, position_ids=positions(x), labels=x).loss
