@@ -58,7 +58,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,8 +76,8 @@ from zero import (
     _busy_seconds,
     _free_port,
     _tail,
-    _worker_env,
     find_deepspeed_python,
+    run_logged,
     wait_until_idle,
 )
 
@@ -165,12 +164,7 @@ def spawn_in_venv(python: str, name: str, setup: Setup, inputs: str) -> list[dic
         out, log = Path(tmp) / "result.json", Path(tmp) / "log"
         cmd = [python, str(Path(__file__).resolve()), "--worker", name, "--setup-json",
                json.dumps(asdict(setup)), "--inputs", inputs, "--worker-out", str(out)]
-        with open(log, "w") as log_file:
-            try:
-                rc = subprocess.run(cmd, env=_worker_env(), stdout=log_file, stderr=subprocess.STDOUT,
-                                    timeout=WORKER_TIMEOUT_S, check=False).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+        rc = run_logged(cmd, log, WORKER_TIMEOUT_S)
         if not out.exists():
             tail = _tail(log.read_text(errors="replace"), 1)
             return [{"unavailable": f"exited {rc} without results: {tail}"}]
@@ -241,10 +235,10 @@ def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params
     lines = [
         title,
         "",
-        *([f"Every collective of the meshspeed runs also occupies a simulated link for 0.1 ms + "
+        *([(f"Every collective of the meshspeed runs also occupies a simulated link for 0.1 ms + "
            f"{slow_link:g} ms per MB moved, without using the CPU (Note [a link that does not take the "
            "CPU] in the script): on this machine's own loopback the collectives use the cores the GEMMs "
-           "need, so overlap has nothing free to run on.", ""] if slow_link else []),
+           "need, so overlap has nothing free to run on."), ""] if slow_link else []),
         (f"A randomly initialised `transformers` LlamaForCausalLM with {params / 1e6:.2f}M parameters "
         f"(hidden {s.hidden_size}, SwiGLU {s.intermediate_size}, {s.num_layers} layers, {s.num_heads} query / "
         f"{s.num_kv_heads} key-value heads, vocabulary {s.vocab_size}, untied head), fp32, batch "

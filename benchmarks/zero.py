@@ -328,6 +328,17 @@ ANCHOR_VENV_SCRIPT = REPO.parent / "shared" / "tools" / "anchor-venv.sh"
 WORKER_TIMEOUT_S = 3600  # one framework's whole run, startup included
 
 
+def run_logged(cmd: list[str], log: Path, timeout: float) -> int | str:
+    """Run a worker command in the DeepSpeed venv's environment, its output to `log`;
+    its return code, or "timeout"."""
+    with open(log, "w") as log_file:
+        try:
+            return subprocess.run(cmd, env=_worker_env(), stdout=log_file, stderr=subprocess.STDOUT,
+                                  timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            return "timeout"
+
+
 def _worker_env() -> dict[str, str]:
     """Environment of the DeepSpeed venv's processes: this checkout's meshspeed (the model and
     the data only) on the path, DeepSpeed's CPU accelerator, one OpenMP thread."""
@@ -381,12 +392,7 @@ def spawn_in_venv(python: str, name: str, setup: Setup, world: int, profile_step
                "--nproc", str(world), "--nice", str(nice)]
         if profile_steps:
             cmd += ["--profile", name, "--profile-steps", str(profile_steps)]
-        with open(log, "w") as log_file:
-            try:
-                rc = subprocess.run(cmd, env=_worker_env(), stdout=log_file, stderr=subprocess.STDOUT,
-                                    timeout=WORKER_TIMEOUT_S, check=False).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+        rc = run_logged(cmd, log, WORKER_TIMEOUT_S)
         if not out.exists():
             raise RuntimeError(f"{name} (in {python}) exited {rc} without results; its log ends:\n"
                                + _tail(log.read_text(errors="replace")))
