@@ -17,18 +17,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.tensor_parallel.spec import shards_by_param
-
-
-def _partial_params(module: nn.Module) -> list[nn.Parameter]:
-    seen, out = set(), []
-    for sub in module.modules():
-        for attr in getattr(sub, "tp_partial_grads", ()):
-            p = getattr(sub, attr, None)
-            if isinstance(p, nn.Parameter) and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
+from meshspeed.tensor_parallel.spec import partial_grad_params, shards_by_param
 
 
 class TensorParallelGrads:
@@ -37,7 +26,7 @@ class TensorParallelGrads:
         split = set(shards_by_param(module))
         split |= {id(p) for p in module.parameters() if getattr(p, "tensor_model_parallel", False)}  # Megatron's mark
         self._split_masters = {id(master_of[i]) for i in split if i in master_of}
-        self._partial = [master_of[id(p)] for p in _partial_params(module) if id(p) in master_of]
+        self._partial = [master_of[id(p)] for p in partial_grad_params(module) if id(p) in master_of]
 
     @property
     def active(self) -> bool:

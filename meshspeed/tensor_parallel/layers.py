@@ -3,7 +3,7 @@
 linear.py         ColumnParallelLinear, RowParallelLinear (both weight layouts)
 embedding.py      VocabParallelEmbedding
 cross_entropy.py  vocab_parallel_cross_entropy, VocabParallelCrossEntropy
-shared_gather.py  SharedGather: one sequence all-gather for sibling column layers
+shared_gather.py  SharedGather: sibling column layers (q/k/v, gate/up) as one node
 norms.py          mark_sequence_parallel: norms whose gradients are partial over tp
 overlap.py        the linear layers' autograd Functions (communication/GEMM overlap)
 """

@@ -69,7 +69,18 @@ def _init_uniform_(param: torch.Tensor, fan_in: int) -> None:
 
 
 class _ParallelLinear(nn.Module):
-    """What the column and row layers share: building from a whole module, and repr."""
+    """What the column and row layers share: their options, building from a whole
+    module, and repr."""
+
+    def __init__(self, in_features: int, out_features: int, group: Any, sequence_parallel: bool,
+                 overlap_chunks: int, seq_dim: int, weight_layout: str) -> None:
+        super().__init__()
+        _check_layout(weight_layout)
+        if overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be >= 1, got {overlap_chunks}")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.sequence_parallel, self.overlap_chunks = sequence_parallel, overlap_chunks
+        self.seq_dim, self.weight_layout = seq_dim, weight_layout
 
     @classmethod
     def from_module(cls, linear: nn.Module, group: Any, **kw: Any):
@@ -103,13 +114,9 @@ class ColumnParallelLinear(_ParallelLinear):
                  overlap_chunks: int = 1, seq_dim: int = 1, parts: tuple[int, ...] | None = None,
                  multiple: int = 1, weight_layout: str = "out_in", device=None, dtype=None,
                  shared_gather: Any = None, save_gathered_input: bool = False) -> None:
-        super().__init__()
-        _check_layout(weight_layout)
-        if overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks must be >= 1, got {overlap_chunks}")
-        self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.overlap_chunks, self.seq_dim, self.weight_layout = overlap_chunks, seq_dim, weight_layout
+        super().__init__(in_features, out_features, group, sequence_parallel, overlap_chunks,
+                         seq_dim, weight_layout)
+        self.gather_output = gather_output
         self.shared_gather, self.save_gathered_input = shared_gather, save_gathered_input
         if shared_gather is not None and hasattr(shared_gather, "join"):
             shared_gather.join(self)
@@ -200,13 +207,9 @@ class RowParallelLinear(_ParallelLinear):
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  overlap_chunks: int = 1, seq_dim: int = 1, weight_layout: str = "out_in",
                  device=None, dtype=None) -> None:
-        super().__init__()
-        _check_layout(weight_layout)
-        if overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks must be >= 1, got {overlap_chunks}")
-        self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.overlap_chunks, self.seq_dim, self.weight_layout = overlap_chunks, seq_dim, weight_layout
+        super().__init__(in_features, out_features, group, sequence_parallel, overlap_chunks,
+                         seq_dim, weight_layout)
+        self.input_is_parallel = input_is_parallel
         rank, size = collectives.get_rank(group), collectives.get_world_size(group)
         if not input_is_parallel and in_features % size:
             raise ValueError(f"in_features {in_features} does not split over {size} ranks")

@@ -88,7 +88,8 @@ class ColumnLinearFn(torch.autograd.Function):
             ctx.save_for_backward(full if save_full else x, weight)
             ctx.saved_full = save_full
         else:
-            out, full = _gather_gemm_chunks(x, weight, group, ctx.seq_dim, chunks, layout, save_full)
+            (out,), full = gather_gemms_chunked(x, [weight], group, ctx.seq_dim, chunks, [layout],
+                                                save_full)
             ctx.save_for_backward(full if save_full else x, weight)
             ctx.saved_full = save_full
         if bias is not None:
@@ -118,16 +119,11 @@ class ColumnLinearFn(torch.autograd.Function):
         return gx if need_x else None, gw, gb, None, None, None, None, None, None
 
 
-def _gather_gemm_chunks(x, weight, group, dim: int, k: int, layout: str, keep_input: bool):
-    """Forward of a sequence-parallel column layer in k chunks (Note [overlapping
-    tensor-parallel communication]): (output, the gathered input if keep_input else None)."""
-    (out,), full = gather_gemms_chunked(x, [weight], group, dim, k, [layout], keep_input)
-    return out, full
-
-
 def gather_gemms_chunked(x, weights, group, dim: int, k: int, layouts, keep_input: bool):
-    """The chunked sequence all-gather of `x` under the GEMMs of every weight in `weights`
-    (sibling columns share it): ([output per weight], the gathered input or None)."""
+    """Forward of sequence-parallel column GEMMs in k chunks (Note [overlapping
+    tensor-parallel communication]): the chunked all-gather of `x` under the GEMMs of every
+    weight in `weights` (one for a column layer, several for siblings sharing the gather):
+    ([output per weight], the gathered input if keep_input else None)."""
     t = collectives.get_world_size(group)
     pending = [gather_along(c, group, dim, async_op=True) for c in _seq_chunks(x, dim, k)]
     outs, full = [None] * len(weights), None
