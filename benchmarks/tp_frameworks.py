@@ -207,8 +207,6 @@ def engine_config(setup: Setup, tp: int, sequence_parallel: bool = False, overla
     tensor_parallel: dict = {"autotp_size": tp}
     if library == "meshspeed":
         tensor_parallel.update(tp_overlap_comm=overlap, sequence_parallel=sequence_parallel)
-        if overlap and os.environ.get("MESHSPEED_BENCH_CHUNKS"):
-            tensor_parallel["overlap_chunks"] = int(os.environ["MESHSPEED_BENCH_CHUNKS"])
     return {
         "train_micro_batch_size_per_gpu": setup.micro_batch,
         # torch_adam: DeepSpeed uses torch.optim.AdamW (no JIT-built op); meshspeed ignores it

@@ -466,7 +466,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     everything = torch.empty(n * longest, dtype=torch.uint8, device=device)
     _exchange("all_gather", group, everything, padded)
     raw = everything.cpu().numpy().tobytes()
-    return [pickle.loads(raw[r * longest : r * longest + int(sizes[r])]) for r in range(n)]
+    return [pickle.loads(raw[r * longest : r * longest + int(sizes[r])]) for r in range(n)]  # peers of this job
 
 
 def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
@@ -483,4 +483,4 @@ def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
     _exchange("broadcast", group, data, data, src)
     if get_rank(group) == src:
         return obj
-    return pickle.loads(data.cpu().numpy().tobytes())
+    return pickle.loads(data.cpu().numpy().tobytes())  # peers of this job

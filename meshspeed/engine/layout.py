@@ -48,11 +48,11 @@ def tensor_parallel_degree(config: Any, model: nn.Module, mpu: Any) -> int:
     if request is None:
         return tp
     if tp > 1 and request["tp_size"] != tp:
-        raise ConfigError([f"tensor_parallel.autotp_size: {tp}, but tp_model_init asked for "
-                           f"tp_size {request['tp_size']}; make them equal or drop one"])
+        raise ConfigError([(f"tensor_parallel.autotp_size: {tp}, but tp_model_init asked for "
+                           f"tp_size {request['tp_size']}; make them equal or drop one")])
     if request["tp_group"] is not None and mpu is not None:
-        raise ConfigError(["tp_model_init(tp_group=...) and initialize(mpu=...) both give a "
-                           "tensor-parallel group; pass one of them"])
+        raise ConfigError([("tp_model_init(tp_group=...) and initialize(mpu=...) both give a "
+                           "tensor-parallel group; pass one of them")])
     return max(tp, request["tp_size"])
 
 
@@ -81,10 +81,10 @@ def _check_requested_group(model: nn.Module, topology: Topology) -> None:
 
     group = (request_of(model) or {}).get("tp_group")
     if group is not None and sorted(dist.get_process_group_ranks(group)) != topology.ranks("tp"):
-        raise ConfigError([f"tp_model_init(tp_group=...): the group's ranks "
+        raise ConfigError([(f"tp_model_init(tp_group=...): the group's ranks "
                            f"{sorted(dist.get_process_group_ranks(group))} are not this rank's "
                            f"tensor-parallel ranks {topology.ranks('tp')} (tp fastest: ranks "
-                           "r, r+1, ... form a group)"])
+                           "r, r+1, ... form a group)")])
 
 
 def describe_layout(topology: Topology) -> str:
@@ -111,8 +111,8 @@ def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParal
         return model
     request = request_of(model)
     if request is not None and request["dtype"] not in (dtype, torch.float32):
-        raise ConfigError([f"tp_model_init(dtype={request['dtype']}): the config trains in {dtype}; "
-                           "enable the matching bf16/fp16 section (or pass that dtype)"])
+        raise ConfigError([(f"tp_model_init(dtype={request['dtype']}): the config trains in {dtype}; "
+                           "enable the matching bf16/fp16 section (or pass that dtype)")])
     if request is not None and not cfg.enabled and request["tp_size"] > 1:
         cfg = cfg.model_copy(update={"autotp_size": request["tp_size"]})
     if not cfg.enabled:

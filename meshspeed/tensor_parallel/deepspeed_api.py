@@ -23,7 +23,7 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: An
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_model_init: tp_size must be a positive integer, got {tp_size!r}")
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"tp_model_init: dtype must be a torch.dtype, got {dtype!r}")
+        raise TypeError(f"tp_model_init: dtype must be a torch.dtype, got {dtype!r}")
     unknown = set(kwargs) - {"tp_group"}
     if unknown:
         raise TypeError(f"tp_model_init: unexpected keyword(s) {sorted(unknown)}; it takes tp_group")
