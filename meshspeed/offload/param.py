@@ -52,6 +52,10 @@ class HostShardStore:
     def write(self, unit, values: torch.Tensor) -> None:
         unit.shard.copy_(values)
 
+    def write_range(self, unit, offset: int, values: torch.Tensor):
+        unit.shard[offset : offset + values.numel()].copy_(values)
+        return None
+
     def host_tensors(self, units) -> list[torch.Tensor]:
         return [u.shard for u in units]
 
@@ -129,6 +133,15 @@ class NvmeShardStore:
         i = self.index[id(unit)]
         self._drop_pending(i)  # a read started before this write would be stale
         self._write_now(i, values)
+
+    def write_range(self, unit, offset: int, values: torch.Tensor):
+        """Elements [offset, offset + n) of the unit's shard file; returns the write in
+        flight and the (cast) buffer it reads from, which must live until it completes."""
+        i = self.index[id(unit)]
+        self._drop_pending(i)
+        src = values.detach().to(self.dtype[i], copy=True).contiguous().view(-1)
+        es = src.element_size()
+        return self.engine.write(src, self.path(i), offset * es), src
 
     # -- internals ------------------------------------------------------------------------------
     def _take(self, block: bool) -> torch.Tensor | None:

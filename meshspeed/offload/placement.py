@@ -52,7 +52,7 @@ class OffloadPlacement(DevicePlacement):
     """Handed to `Zero` as its placement; `bind` runs once the units exist."""
 
     def __init__(self, *, device: torch.device, offload_optimizer: bool, offload_param: str,
-                 pin: bool, delayed: bool, make_shard_store=None):
+                 pin: bool, delayed: bool, make_shard_store=None, make_master_files=None):
         self.device = device
         self.pin = pin
         self.offload_optimizer = offload_optimizer
@@ -60,6 +60,10 @@ class OffloadPlacement(DevicePlacement):
         self._param_tier = offload_param
         self.runner = BackgroundStep() if delayed else None
         self.make_shard_store = make_shard_store
+        # make_master_files(placement) -> MasterFiles: masters in swap files (masters.py);
+        # None: in host memory. Delayed updates keep them in memory (Note [masters on NVMe]).
+        self.make_master_files = None if delayed else make_master_files
+        self.master_files = None
         self._published = True  # masters and parameters agree
         self._host: list[torch.Tensor] = []  # storages that are host tier by placement
         self._host_grads: dict[int, torch.Tensor] = {}
@@ -75,6 +79,8 @@ class OffloadPlacement(DevicePlacement):
         op = self._param_tier
         shards_move = op == "nvme" or (op == "cpu" and not on_host)
         separate = self.runner is not None or not on_host or shards_move
+        if self.make_master_files is not None:
+            self.master_files = self.make_master_files(self)
         for unit in zero.units:
             if self.offload_optimizer or (shards_move and unit.shard_params):
                 self._place_masters(zero, unit, copy=separate)
@@ -88,6 +94,9 @@ class OffloadPlacement(DevicePlacement):
         """Point the unit's masters at one host buffer (Note [offload on a CPU-only machine])."""
         if unit.master_buffer is None and not copy:
             return  # fp32 on the CPU: the master is the parameter's own slice (counted there)
+        if self.master_files is not None:
+            self._swap_masters(zero, unit)
+            return
         buf = host_empty(unit.shard_numel, torch.float32, pin=self.pin).zero_()
         for i, (s, p, m) in enumerate(zip(unit.spans, unit.params, unit.masters)):
             view = buf[s.offset : s.offset + s.numel]
@@ -102,12 +111,34 @@ class OffloadPlacement(DevicePlacement):
         unit.master_buffer = buf
         self._host.append(buf)
 
+    def _swap_masters(self, zero, unit) -> None:
+        """The unit's masters -> their file; placeholders take their place (masters.py)."""
+        files = self.master_files
+        values = unit.master_buffer if unit.master_buffer is not None else unit.shard
+        fresh = files.add(unit, values)
+        for i, (p, m) in enumerate(zip(unit.params, fresh)):
+            unit.masters[i] = m
+            zero.master_of[id(p)] = m
+        unit.master_buffer = None  # freed: the file holds the masters from now on
+        u = len(files.units) - 1
+        unit.master_sink = lambda values, u=u: files.write_unit(u, values)
+
+    def swapped_master(self, master):
+        """A SwappedMaster for a master that lives in a file, else None."""
+        if self.master_files is None or not self.master_files.holds(master):
+            return None
+        from meshspeed.offload.masters import SwappedMaster
+
+        return SwappedMaster(self.master_files, master)
+
     def _copies_grads(self, unit) -> bool:
         # a delayed update reads its gradients while the next backward reduces new ones
         # into the unit's (persistent) gradient shard: it must step on a copy
-        return unit.master_buffer is not None and (
-            unit.grad_shard.dtype != torch.float32 or unit.grad_shard.device != unit.master_buffer.device
-            or self.device.type != "cpu" or self.runner is not None)
+        swapped = self.master_files is not None and any(self.master_files.holds(m) for m in unit.masters)
+        if unit.master_buffer is None and not swapped:
+            return False
+        return (unit.grad_shard.dtype != torch.float32 or unit.grad_shard.device.type != "cpu"
+                or self.device.type != "cpu" or self.runner is not None)
 
     def grad_shard_ready(self, unit) -> None:
         """Copy one unit's reduced gradient into its host fp32 buffer (non-blocking into
@@ -202,12 +233,17 @@ class OffloadPlacement(DevicePlacement):
         return self.swap_dirs[nvme_path]
 
     def nvme_bytes(self) -> dict[str, int]:
-        return {} if self.shard_store is None else {"params": self.shard_store.nvme_bytes()}
+        out = {} if self.shard_store is None else {"params": self.shard_store.nvme_bytes()}
+        if self.master_files is not None:
+            out["master_params"] = self.master_files.nvme_bytes()
+        return out
 
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
         if self.shard_store is not None:
             self.shard_store.close()
+        if self.master_files is not None:
+            self.master_files.close()
         for swapdir in self.swap_dirs.values():
             swapdir.close()

@@ -125,6 +125,10 @@ class FlatUnit:
         # a swap file), set by the offload placement through `use_store`: fetch(unit) ->
         # shard on the device, done(unit) after the all-gather, write(unit, values).
         self.shard_store = None
+        # Where the fp32 masters go when they live in files (offload, Note [masters on NVMe]
+        # in meshspeed/offload/masters.py): then `master_buffer` is None and
+        # `master_sink(values)` receives the owned range after a change from outside.
+        self.master_sink = None
         self.flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         self.views = [self.flat[o : o + n].view(shape)
                       for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.shapes)]
@@ -374,6 +378,8 @@ class FlatUnit:
             self._write_shard(fresh)
         if self.master_buffer is not None:
             self.master_buffer.copy_(fresh)
+        elif self.master_sink is not None:
+            self.master_sink(fresh)
 
     def refresh_from_masters(self) -> None:
         """Masters were written from outside the step (`safe_set_full_fp32_param`): the
@@ -390,6 +396,15 @@ class FlatUnit:
         comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard)
         if self.shard_store is not None:
             self.shard_store.done(self)
+
+    def write_shard_range(self, offset: int, values: torch.Tensor):
+        """Elements [offset, offset + n) of this rank's shard become `values` (cast); the
+        step's publish when the masters live in files. Returns None, or (request, buffer)
+        of a write still in flight (the caller waits before the next gather)."""
+        if self.shard_store is None:
+            self.shard[offset : offset + values.numel()].copy_(values)
+            return None
+        return self.shard_store.write_range(self, offset, values)
 
     def _write_shard(self, values: torch.Tensor) -> None:
         if self.shard_store is None:

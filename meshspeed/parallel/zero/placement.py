@@ -53,6 +53,10 @@ class DevicePlacement:
     def flush(self, zero) -> None:
         pass
 
+    def swapped_master(self, master):
+        """An object with read() / write(values) when `master` lives in a file, else None."""
+        return None
+
     def extra_grads(self) -> list[torch.Tensor]:
         return []
 
