@@ -18,8 +18,8 @@ from meshspeed.checkpoint import tp_ranges
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import capture_rng, encode_client_state
 from meshspeed.checkpoint.metadata import global_meta
-from meshspeed.parallel.slices import master_values
 from meshspeed.checkpoint.paths import rank_file
+from meshspeed.parallel.slices import master_values
 from meshspeed.tensor_parallel.spec import shards_by_param
 
 

@@ -54,7 +54,6 @@ class HostShardStore:
 
     def write_range(self, unit, offset: int, values: torch.Tensor):
         unit.shard[offset : offset + values.numel()].copy_(values)
-        return None
 
     def host_tensors(self, units) -> list[torch.Tensor]:
         return [u.shard for u in units]

@@ -55,7 +55,7 @@ class DevicePlacement:
 
     def swapped_master(self, master):
         """An object with read() / write(values) when `master` lives in a file, else None."""
-        return None
+        return
 
     def extra_grads(self) -> list[torch.Tensor]:
         return []
