@@ -36,12 +36,17 @@ class HostShardStore:
 
     tier = "host"
 
-    def __init__(self, units, *, pin: bool):
+    def __init__(self, units=(), *, pin: bool):
+        self.pin = pin
         for unit in units:
-            if unit.shard.device.type != "cpu":
-                host = host_empty(unit.shard.numel(), unit.shard.dtype, pin=pin)
-                host.copy_(unit.shard)
-                unit.shard = host
+            self.add(unit)
+
+    def add(self, unit) -> None:
+        """Take one unit's shard (units are added as they are built)."""
+        if unit.shard.device.type != "cpu":
+            host = host_empty(unit.shard.numel(), unit.shard.dtype, pin=self.pin)
+            host.copy_(unit.shard)
+            unit.shard = host
 
     def fetch(self, unit) -> torch.Tensor:
         return unit.shard.to(unit.device, non_blocking=True)
@@ -77,30 +82,54 @@ class NvmeShardStore:
 
     def __init__(self, units, directory: str, engine: SwapEngine, *, buffer_count: int,
                  buffer_numel: int, pin: bool):
-        self.units = list(units)
-        self.index = {id(u): i for i, u in enumerate(self.units)}
-        self.dir = directory
-        self.engine = engine
-        self.pin = pin
-        self.numel = [u.shard.numel() for u in self.units]
-        self.dtype = [u.shard.dtype for u in self.units]
-        need = max(self.numel, default=0)
-        if need > buffer_numel:
-            raise ConfigError([(f"zero_optimization.offload_param.buffer_size: {buffer_numel} elements "
-                               f"is smaller than the largest stage-3 shard ({need}); raise it")])
         if buffer_count < 1:
             raise ConfigError([("zero_optimization.offload_param.buffer_count: needs at least 1 "
                                "(2 or more to overlap reading the next shard)")])
-        nbytes = round_up(max((self._nbytes(i) for i in range(len(self.units))), default=0))
-        self.pool = BufferPool(buffer_count, nbytes, pin)
-        self._pooled = {id(b) for b in self.pool.free}
+        self.units: list = []
+        self.index: dict[int, int] = {}
+        self.dir = directory
+        self.engine = engine
+        self.pin = pin
+        self.buffer_count = buffer_count
+        self.buffer_numel = buffer_numel
+        self.numel: list[int] = []
+        self.dtype: list[torch.dtype] = []
+        self._pool: BufferPool | None = None  # sized by the largest shard at first use
+        self._pooled: set[int] = set()
         self._pending: dict[int, tuple[IoRequest, torch.Tensor]] = {}  # reads in flight
         self._held: dict[int, torch.Tensor] = {}  # buffers a gather in flight reads from
         self._next_of: dict[int, int] = {}  # unit -> the unit fetched after it last time
         self._last: int | None = None
-        for i, unit in enumerate(self.units):
-            self._write_now(i, unit.shard)
-            unit.shard = unit.shard.new_empty(0)  # the file is the shard from now on
+        for unit in units:
+            self.add(unit)
+
+    def add(self, unit) -> None:
+        """Move one unit's shard to its file (units are added as they are built, so
+        initialize holds one unit's shard at a time, not all of them: Note [units placed
+        as they are built] in meshspeed/offload/placement.py)."""
+        if self._pool is not None:
+            raise RuntimeError("NvmeShardStore.add after the first fetch or write (the pool is sized)")
+        n = unit.shard.numel()
+        if n > self.buffer_numel:
+            raise ConfigError([(f"zero_optimization.offload_param.buffer_size: {self.buffer_numel} elements "
+                               f"is smaller than the largest stage-3 shard ({n}); raise it")])
+        i = len(self.units)
+        self.units.append(unit)
+        self.index[id(unit)] = i
+        self.numel.append(n)
+        self.dtype.append(unit.shard.dtype)
+        staging = host_empty(round_up(self._nbytes(i)) // 4, pin=False, align=ALIGN)  # one unit, freed
+        self._typed(staging, i).copy_(unit.shard.detach().reshape(-1))
+        self.engine.write(self._region(staging, i), self.path(i)).wait()
+        unit.shard = unit.shard.new_empty(0)  # the file is the shard from now on
+
+    @property
+    def pool(self) -> BufferPool:
+        if self._pool is None:
+            nbytes = round_up(max((self._nbytes(i) for i in range(len(self.units))), default=0))
+            self._pool = BufferPool(self.buffer_count, nbytes, self.pin)
+            self._pooled = {id(b) for b in self._pool.free}
+        return self._pool
 
     def path(self, i: int) -> str:
         return os.path.join(self.dir, f"unit{i}.shard")
@@ -182,7 +211,7 @@ class NvmeShardStore:
             self._give_back(pending[1])
 
     def host_tensors(self, units) -> list[torch.Tensor]:
-        return self.pool.tensors()
+        return self.pool.tensors() if self._pool is not None else []
 
     def nvme_bytes(self) -> int:
         return sum(os.path.getsize(self.path(i)) for i in range(len(self.units))
@@ -194,5 +223,6 @@ class NvmeShardStore:
         for buf in self._held.values():
             self._give_back(buf)
         self._held.clear()
-        self.pool.drain()
+        if self._pool is not None:
+            self._pool.drain()
         self.engine.close()

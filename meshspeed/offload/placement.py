@@ -71,25 +71,37 @@ class OffloadPlacement(DevicePlacement):
         self.shard_store = None
         self.swap_dirs: dict[str, object] = {}  # nvme_path -> this rank's SwapDir there
 
-    def bind(self, zero) -> None:
-        on_host = self.device.type == "cpu"
-        sharded = [u for u in zero.units if u.shard_params]
+    def unit_built(self, zero, unit) -> None:
+        """One unit is built: its masters go to their buffer or file and its stage-3 shard
+        to the shard store now, before the next unit is built (Note [units placed as they
+        are built])."""
+        if self.make_master_files is not None and self.master_files is None:
+            self.master_files = self.make_master_files(self)
+        op = self._param_tier
+        shards_move = op == "nvme" or (op == "cpu" and self.device.type != "cpu")
         # a shard that leaves this memory (to a file, or from a device to the host) cannot
         # stay the fp32 master it was in fp32 training: masters get their own host buffer
-        op = self._param_tier
-        shards_move = op == "nvme" or (op == "cpu" and not on_host)
-        separate = self.runner is not None or not on_host or shards_move
-        if self.make_master_files is not None:
-            self.master_files = self.make_master_files(self)
-        for unit in zero.units:
-            if self.offload_optimizer or (shards_move and unit.shard_params):
-                self._place_masters(zero, unit, copy=separate)
-        if self.offload_param and self.make_shard_store is not None:
-            self.shard_store = self.make_shard_store(self, sharded)
-            for unit in sharded:
-                unit.use_store(self.shard_store)
+        separate = self.runner is not None or self.device.type != "cpu" or shards_move
+        if self.offload_optimizer or (shards_move and unit.shard_params):
+            self._place_masters(zero, unit, copy=separate)
+        if unit.shard_params and self.offload_param and self.make_shard_store is not None:
+            if self.shard_store is None:
+                self.shard_store = self.make_shard_store(self, [])
+            self.shard_store.add(unit)
+            unit.use_store(self.shard_store)
+
+    def bind(self, zero) -> None:
+        """Every unit is built and placed (`unit_built`); nothing is left to move."""
 
     # -- placement ----------------------------------------------------------------------------
+    # Note [units placed as they are built]
+    # `Zero` hands each unit to `unit_built` as soon as it is built, before building the
+    # next: a unit's fp32 `master_buffer` and stage-3 shard move to their file (or host
+    # buffer) and are freed there, so initialize holds one unit's fp32 master and shard
+    # at a time rather than every unit's (4 + 2 bytes a parameter for the whole model, the
+    # init peak when all units were built first and placed in `bind`). The shard store
+    # sizes its staging pool by the largest shard at its first use, once all are added.
+
     def _place_masters(self, zero, unit, copy: bool) -> None:
         """Point the unit's masters at one host buffer (Note [offload on a CPU-only machine])."""
         if unit.master_buffer is None and not copy:

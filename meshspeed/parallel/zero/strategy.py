@@ -86,7 +86,13 @@ class Zero:
         else:
             total = sum(p.numel() for p in module.parameters())
             plan = bucket_units(module, unit_numel(total, bucket_numel))
-        self.units = [self._make_unit(u, comm_dtype) for u in plan.units]
+        self.master_of: dict[int, nn.Parameter] = {}
+        self.units: list[FlatUnit] = []
+        for u in plan.units:
+            # placed before the next is built (Note [units placed as they are built] in
+            # meshspeed/offload/placement.py): the init peak is one unit, not the model
+            self.units.append(self._make_unit(u, comm_dtype))
+            self.placement.unit_built(self, self.units[-1])
         self.master_of = {
             id(p): m for unit in self.units for p, m in zip(unit.params, unit.masters)
         }
