@@ -157,8 +157,21 @@ class OffloadPlacement(DevicePlacement):
         pinned memory on an accelerator), as each unit's reduction lands at the
         accumulation boundary, so the copies overlap the rest of backward. A delayed
         update still reads last step's host gradients meanwhile: it copies at the step."""
-        if self.runner is None:
-            self._move_grad_shard(unit)
+        if self.runner is None and self._move_grad_shard(unit):
+            # the host copy is what the step reads: the 16-bit shard is not kept across
+            # steps (2 bytes a parameter; Note [one gradient copy between steps])
+            unit.grad_moved(self._host_grads[id(unit)])
+
+    # Note [one gradient copy between steps]
+    # Without a delayed update, each unit's reduced gradient is copied into its fp32 host
+    # buffer as its reduction lands at the boundary backward (`grad_shard_ready`), and
+    # `FlatUnit.grad_moved` then makes that copy the unit's `grad_shard` and frees the
+    # 16-bit one: between the boundary and the next backward only the fp32 host copy is
+    # held (4 bytes a parameter, not 4 + 2). The values are the same (the copy of the
+    # 16-bit shard, accumulated over micro-steps in 16 bits as before); readers of
+    # `grad_shard` (safe_get_full_grad) see them in fp32. The next step's first reduction
+    # allocates the 16-bit buffer again: one shard-sized block per unit per step, which
+    # on the CPU is an mmap (Note [a fixed mmap threshold for CPU training]).
 
     def _move_grad_shard(self, unit) -> bool:
         if unit.grad_shard is None or not self._copies_grads(unit):
@@ -177,10 +190,11 @@ class OffloadPlacement(DevicePlacement):
         for unit in units:
             if unit.grad_shard is None:
                 continue
-            if not self._copies_grads(unit):
+            moved = id(unit) in self.grads_on_host  # (then grad_shard is the host copy)
+            if not moved and not self._copies_grads(unit):
                 unit.attach_master_grads()
                 continue
-            if id(unit) not in self.grads_on_host:
+            if not moved:
                 copied |= self._move_grad_shard(unit)
             host = self._host_grads[id(unit)]
             for s, m in zip(unit.spans, unit.masters):

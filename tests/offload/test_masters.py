@@ -62,6 +62,9 @@ def test_masters_are_not_resident(tmp_path):
     assert r["placeholder_bytes"] <= 4 * 64  # one 4-byte element per master (64 tensors at most)
     assert r["files"] >= 4 * psi  # (+ padding of each unit's range)
     assert mem["master_params"] == r["files"]  # every master byte is a file byte
+    # between steps, the only gradient held is the fp32 host copy of each unit's range (the
+    # 16-bit shard is freed: Note [one gradient copy between steps] in offload/placement.py)
+    assert mem["grads"] == r["files"]
     assert mem["tiers"]["nvme"] >= r["files"]
     assert mem["tiers"]["device"] + mem["tiers"]["host"] + mem["tiers"]["nvme"] == mem["total"]
 
@@ -110,3 +113,16 @@ def test_initialize_peak_is_one_unit_not_the_model(tmp_path):
     tiny = setup(3, zero, precision="bf16", world=1, steps=1, seq=32)
     r = run_distributed(peak_rss_growth, world_size=1, args=(s, 0, tiny))[0]
     assert r["growth"] <= 6 * r["numel"], r["growth"] / r["numel"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_gradient_accumulation_and_clipping_equal_no_offload(stage, tmp_path):
+    """gas 2 and clipping (Note [one gradient copy between steps] in
+    meshspeed/offload/placement.py): the 16-bit shard accumulates over micro-steps, its fp32
+    host copy is the only one kept after the boundary, and the run (reference kernel) is
+    bit for bit the run without offload, whose masters read the same 16-bit shard."""
+    params = "nvme" if stage == 3 else None
+    kw = {"precision": "bf16", "gas": 2, "clip": 0.05, "steps": 4, "extra_config": exact_adamw()}
+    setups = [setup(stage, **kw), setup(stage, _nvme(tmp_path, params), **kw)]
+    base, nvme = run_distributed(runs_and_cleanup, world_size=2, args=(setups,), timeout=300)[0]
+    _equal(base, nvme)

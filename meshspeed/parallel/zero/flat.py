@@ -152,8 +152,9 @@ class FlatUnit:
             self.grads.bind()
         self.grad_shard: torch.Tensor | None = None  # this step's reduced gradient (or None)
         # its storage, kept across steps (reduction outputs allocated per micro-step would
-        # churn shard-sized blocks through the allocator every step); stage 1 reduces in
-        # place into its own range of the full gradient buffer
+        # churn shard-sized blocks through the allocator every step) unless a placement
+        # takes the gradient elsewhere (`grad_moved`); stage 1 reduces in place into its
+        # own range of the full gradient buffer
         self._grad_shard_buf = self.grads.flat[lo : lo + self.shard_numel] if self.grads is not None \
             else torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
         self.state = ParamState.WHOLE
@@ -302,7 +303,7 @@ class FlatUnit:
                 self._zero_gaps(staged)
             src = staged
         direct = self.grad_shard is None and self.comm_dtype == self.dtype
-        out = self._grad_shard_buf if direct else self.pool.take(self.shard_numel)
+        out = self._grad_buffer() if direct else self.pool.take(self.shard_numel)
         work = comm.reduce_scatter_tensor(out, src, group=self.groups.shard, async_op=True)
 
         def finish() -> None:
@@ -318,12 +319,28 @@ class FlatUnit:
                 self.grad_shard = out
                 return
             if self.grad_shard is None:
-                self.grad_shard = self._grad_shard_buf.copy_(out)
+                self.grad_shard = self._grad_buffer().copy_(out)
             else:
                 self.grad_shard.add_(out)
             self.pool.give_back(out)
 
         return finish
+
+    def _grad_buffer(self) -> torch.Tensor:
+        if self._grad_shard_buf is None:  # dropped by `grad_moved` after the last step
+            self._grad_shard_buf = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+        return self._grad_shard_buf
+
+    def grad_moved(self, copy: torch.Tensor) -> None:
+        """The step's reduced gradient now lives in `copy` (a placement's fp32 host copy of
+        the same values): it becomes `grad_shard`, and the 16-bit buffer is freed until the
+        next reduction (stages 2-3; stage 1's is a view of the full gradient buffer)."""
+        if copy.numel() != self.shard_numel:
+            raise ValueError(f"unit {self.name}: gradient copy of {copy.numel()} elements, "
+                             f"shard has {self.shard_numel}")
+        self.grad_shard = copy
+        if self.grads is None:
+            self._grad_shard_buf = None
 
     def _zero_gaps(self, staged: torch.Tensor) -> None:
         for off, n, arrived in zip(self.layout.offsets, self.layout.numels, self._arrived):
@@ -417,7 +434,7 @@ class FlatUnit:
         return [self.shard] if self.shard_params else [self.flat]
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        out = [self._grad_shard_buf]
+        out = [] if self._grad_shard_buf is None else [self._grad_shard_buf]
         if self.grads is not None:
             out.append(self.grads.flat)
         return out + [p.grad for p in self.params if p.grad is not None]
