@@ -100,7 +100,8 @@ class OffloadPlacement(DevicePlacement):
     # buffer) and are freed there, so initialize holds one unit's fp32 master and shard
     # at a time rather than every unit's (4 + 2 bytes a parameter for the whole model, the
     # init peak when all units were built first and placed in `bind`). The shard store
-    # sizes its staging pool by the largest shard at its first use, once all are added.
+    # sizes its staging pool at its first use, once all are added (Note [shards larger
+    # than a staging buffer] in param.py).
 
     def _place_masters(self, zero, unit, copy: bool) -> None:
         """Point the unit's masters at one host buffer (Note [offload on a CPU-only machine])."""

@@ -208,8 +208,12 @@ class FlatUnit:
         """Launch the all-gather (prefetch); `gather()` waits for it and exposes the views."""
         if self.state is not ParamState.SHARDED:
             raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
-        shard = self.shard if self.shard_store is None else self.shard_store.fetch(self)
         self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+        if self.shard_store is None:
+            shard = self.shard
+        else:  # a store may read the shard into our own range (then the gather is in place)
+            lo = self.rank * self.shard_numel
+            shard = self.shard_store.fetch(self, into=self.flat[lo : lo + self.shard_numel])
         self._pending = comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard,
                                                     async_op=True)
         self.state = ParamState.GATHERING
