@@ -68,7 +68,12 @@ def plan_reads(store: SavedTensors, slices) -> dict[str, ReadPlan]:
 def _load_weights(engine, store: SavedTensors, slices, plans: dict[str, ReadPlan]) -> None:
     with torch.no_grad():
         for s in slices:
-            store.fill_planned(plans[s.name], "master", s.master)
+            if s.swap is None:
+                store.fill_planned(plans[s.name], "master", s.master)
+                continue
+            values = s.swap.read()  # masters in swap files: one range in memory at a time
+            store.fill_planned(plans[s.name], "master", values)
+            s.swap.write(values)
         buffers = persistent_buffers(engine.module)
         rank0_file = next(r["file"] for r in store.meta["ranks"] if r["rank"] == 0)
         for name, info in store.meta["buffers"].items():

@@ -19,6 +19,7 @@ from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import capture_rng, encode_client_state
 from meshspeed.checkpoint.metadata import global_meta
 from meshspeed.checkpoint.paths import rank_file
+from meshspeed.parallel.slices import master_values
 from meshspeed.tensor_parallel.spec import shards_by_param
 
 
@@ -145,7 +146,7 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
         # replicas over dp: the strategy's writer; replicas over tp: tp rank 0
         if not s.writer or s.end == s.start or (s.tp is None and tp_rank != 0):
             continue
-        tensors[f"master/{s.name}"] = _take(_unpadded(s.master.reshape(-1), s), copy)
+        tensors[f"master/{s.name}"] = _take(_unpadded(master_values(s).reshape(-1), s), copy)
         saved, scalars = [], {}
         for key, value in (state[s.key].items() if s.key in state else ()):
             if _is_range_state(key, value, s.key):

@@ -4,6 +4,7 @@ optimizer state in swap files on NVMe.
   placement.py  OffloadPlacement: which of a ZeRO unit's tensors live on the host
   optimizer.py  OffloadOptimizer: the step on the host, sub-group by sub-group
   state.py      where the state lives between steps (host memory or swap files)
+  masters.py    fp32 masters in swap files with device "nvme" (Note [masters on NVMe])
   kernels.py    the update rules (torch's fused CPU Adam/AdamW, SGD)
   aio.py        the swap engine (threaded, O_DIRECT where possible); swapdir.py its files
   tiers.py      device / host / nvme byte accounting for engine.memory_breakdown()

@@ -135,20 +135,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 nxt = work[i + 1] if i + 1 < len(work) else None
                 if nxt is not None:  # swap in the next sub-group while this one updates
                     ahead = store.prefetch(nxt.sg, block=False)
-                self._update(item, state, store.step_tensors(item.sg, item.stepped), options)
+                self._update(item, state, store.params(handle, item.stepped),
+                             store.step_tensors(item.sg, item.stepped), options)
                 store.release(handle, item.stepped, state)
                 if nxt is not None and ahead is None:
                     ahead = store.prefetch(nxt.sg)
             store.drain()
 
-    def _update(self, item: _Work, state: dict[str, list], steps: list, options: list[dict]) -> None:
+    def _update(self, item: _Work, state: dict[str, list], targets: list[torch.Tensor], steps: list,
+                options: list[dict]) -> None:
+        """`targets`: what the rule writes for each stepped parameter (the master itself, or
+        its swapped-in copy: Note [masters on NVMe] in masters.py)."""
         params = [p for p, take in zip(item.sg.params, item.stepped) if take]
         by_group: dict[int, list[int]] = defaultdict(list)
         for j, p in enumerate(params):
             by_group[self._group_of[p]].append(j)
         for gi, idx in by_group.items():
             sub_state = {k: _pick(v, idx) for k, v in state.items()}
-            self.rule.step(_pick(params, idx), _pick(item.grads, idx), sub_state,
+            self.rule.step(_pick(targets, idx), _pick(item.grads, idx), sub_state,
                            _pick(steps, idx) if steps else [], options[gi])
             for k, values in sub_state.items():  # state the step created (SGD momentum)
                 for j, v in zip(idx, values):

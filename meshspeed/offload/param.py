@@ -4,7 +4,9 @@ A ZeRO-3 unit needs its shard at three moments only: to all-gather the full para
 (`gather`), and to write updated values after the optimizer step or a user edit
 (`publish_masters`, `refresh_from_params`). A shard store serves exactly those:
 
-    fetch(unit) -> tensor on the compute device holding the unit's shard (for the gather)
+    fetch(unit, into) -> tensor on the compute device holding the unit's shard (for the
+                         gather); `into` is the unit's own range of its gathered buffer,
+                         which a store may fill and return (then the all-gather is in place)
     done(unit)            the all-gather that read it has completed
     write(unit, values)   the unit's shard becomes `values` (any float dtype, cast)
 
@@ -36,14 +38,19 @@ class HostShardStore:
 
     tier = "host"
 
-    def __init__(self, units, *, pin: bool):
+    def __init__(self, units=(), *, pin: bool):
+        self.pin = pin
         for unit in units:
-            if unit.shard.device.type != "cpu":
-                host = host_empty(unit.shard.numel(), unit.shard.dtype, pin=pin)
-                host.copy_(unit.shard)
-                unit.shard = host
+            self.add(unit)
 
-    def fetch(self, unit) -> torch.Tensor:
+    def add(self, unit) -> None:
+        """Take one unit's shard (units are added as they are built)."""
+        if unit.shard.device.type != "cpu":
+            host = host_empty(unit.shard.numel(), unit.shard.dtype, pin=self.pin)
+            host.copy_(unit.shard)
+            unit.shard = host
+
+    def fetch(self, unit, into: torch.Tensor | None = None) -> torch.Tensor:
         return unit.shard.to(unit.device, non_blocking=True)
 
     def done(self, unit) -> None:
@@ -51,6 +58,9 @@ class HostShardStore:
 
     def write(self, unit, values: torch.Tensor) -> None:
         unit.shard.copy_(values)
+
+    def write_range(self, unit, offset: int, values: torch.Tensor):
+        unit.shard[offset : offset + values.numel()].copy_(values)
 
     def host_tensors(self, units) -> list[torch.Tensor]:
         return [u.shard for u in units]
@@ -68,56 +78,104 @@ class NvmeShardStore:
     A staging buffer is held from `fetch` until the unit's all-gather has completed
     (`done`). When every pooled buffer is held by gathers in flight (more prefetched units
     than `buffer_count`), a temporary buffer is used rather than waiting on a gather that
-    cannot finish first."""
+    cannot finish first.
+
+    Note [shards larger than a staging buffer]
+    A shard of more than `buffer_numel` elements (the root unit, embedding + head, is the
+    usual one) is never staged whole: `fetch` reads it in buffer-sized pieces through the
+    pool straight into `into`, the unit's own range of its gathered buffer (which the
+    all-gather needs anyway), and the all-gather runs in place; `write` writes it in
+    pieces the same way. Such a unit is read when it is gathered, not prefetched by the
+    store, and the pool is sized by `buffer_numel`, not by the largest shard."""
 
     tier = "nvme"
 
     def __init__(self, units, directory: str, engine: SwapEngine, *, buffer_count: int,
                  buffer_numel: int, pin: bool):
-        self.units = list(units)
-        self.index = {id(u): i for i, u in enumerate(self.units)}
-        self.dir = directory
-        self.engine = engine
-        self.pin = pin
-        self.numel = [u.shard.numel() for u in self.units]
-        self.dtype = [u.shard.dtype for u in self.units]
-        need = max(self.numel, default=0)
-        if need > buffer_numel:
-            raise ConfigError([(f"zero_optimization.offload_param.buffer_size: {buffer_numel} elements "
-                               f"is smaller than the largest stage-3 shard ({need}); raise it")])
         if buffer_count < 1:
             raise ConfigError([("zero_optimization.offload_param.buffer_count: needs at least 1 "
                                "(2 or more to overlap reading the next shard)")])
-        nbytes = round_up(max((self._nbytes(i) for i in range(len(self.units))), default=0))
-        self.pool = BufferPool(buffer_count, nbytes, pin)
-        self._pooled = {id(b) for b in self.pool.free}
+        self.units: list = []
+        self.index: dict[int, int] = {}
+        self.dir = directory
+        self.engine = engine
+        self.pin = pin
+        self.buffer_count = buffer_count
+        self.buffer_numel = buffer_numel
+        self.numel: list[int] = []
+        self.dtype: list[torch.dtype] = []
+        self._pool: BufferPool | None = None  # sized by the largest shard at first use
+        self._pooled: set[int] = set()
         self._pending: dict[int, tuple[IoRequest, torch.Tensor]] = {}  # reads in flight
         self._held: dict[int, torch.Tensor] = {}  # buffers a gather in flight reads from
         self._next_of: dict[int, int] = {}  # unit -> the unit fetched after it last time
         self._last: int | None = None
-        for i, unit in enumerate(self.units):
-            self._write_now(i, unit.shard)
-            unit.shard = unit.shard.new_empty(0)  # the file is the shard from now on
+        for unit in units:
+            self.add(unit)
+
+    def add(self, unit) -> None:
+        """Move one unit's shard to its file (units are added as they are built, so
+        initialize holds one unit's shard at a time, not all of them: Note [units placed
+        as they are built] in meshspeed/offload/placement.py)."""
+        if self._pool is not None:
+            raise RuntimeError("NvmeShardStore.add after the first fetch or write (the pool is sized)")
+        n = unit.shard.numel()
+        i = len(self.units)
+        self.units.append(unit)
+        self.index[id(unit)] = i
+        self.numel.append(n)
+        self.dtype.append(unit.shard.dtype)
+        if self._big(i):
+            self._write_pieces(i, unit.shard, self._piece_buffer())
+        else:
+            staging = host_empty(round_up(self._nbytes(i)) // 4, pin=False, align=ALIGN)  # one unit, freed
+            self._typed(staging, i).copy_(unit.shard.detach().reshape(-1))
+            self.engine.write(self._region(staging, i), self.path(i)).wait()
+        unit.shard = unit.shard.new_empty(0)  # the file is the shard from now on
+
+    @property
+    def pool(self) -> BufferPool:
+        if self._pool is None:
+            nbytes = round_up(max((self._nbytes(i) for i in range(len(self.units))
+                                   if not self._big(i)), default=0))
+            if any(self._big(i) for i in range(len(self.units))):
+                nbytes = max(nbytes, self._piece_nbytes())
+            self._pool = BufferPool(self.buffer_count, nbytes, self.pin)
+            self._pooled = {id(b) for b in self._pool.free}
+        return self._pool
 
     def path(self, i: int) -> str:
         return os.path.join(self.dir, f"unit{i}.shard")
 
     # -- the store protocol ---------------------------------------------------------------------
-    def fetch(self, unit) -> torch.Tensor:
-        """The unit's shard on its device; valid until `done(unit)`."""
+    def fetch(self, unit, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's shard on its device; valid until `done(unit)`. A shard larger than a
+        buffer is read into `into` (Note [shards larger than a staging buffer])."""
         i = self.index[id(unit)]
+        if self._big(i):
+            if into is None or into.numel() != self.numel[i]:
+                raise ValueError(f"shard {i} of {self.numel[i]} elements is read in pieces: "
+                                 "fetch needs `into`, the unit's range of its gathered buffer")
+            self._read_pieces(i, into)
+            self._follow(i)
+            return into
         if i not in self._pending:
             self._start_read(i, block=True)
         request, buf = self._pending.pop(i)
         request.wait()
         self._held[i] = buf
+        self._follow(i)
+        return self._typed(buf, i).to(unit.device, non_blocking=True)
+
+    def _follow(self, i: int) -> None:
+        """Record the order of fetches; start reading the unit that followed `i` last time."""
         if self._last is not None:
             self._next_of[self._last] = i
         self._last = i
         nxt = self._next_of.get(i)
-        if nxt is not None and nxt not in self._pending and nxt not in self._held:
+        if (nxt is not None and not self._big(nxt) and nxt not in self._pending
+                and nxt not in self._held):
             self._start_read(nxt, block=False)  # overlaps this unit's gather and compute
-        return self._typed(buf, i).to(unit.device, non_blocking=True)
 
     def done(self, unit) -> None:
         """The unit's all-gather has completed: its staging buffer is free again."""
@@ -128,7 +186,55 @@ class NvmeShardStore:
     def write(self, unit, values: torch.Tensor) -> None:
         i = self.index[id(unit)]
         self._drop_pending(i)  # a read started before this write would be stale
+        if self._big(i):
+            buf = self._take(block=True)
+            self._write_pieces(i, values, buf)
+            self._give_back(buf)
+            return
         self._write_now(i, values)
+
+    def write_range(self, unit, offset: int, values: torch.Tensor):
+        """Elements [offset, offset + n) of the unit's shard file; returns the write in
+        flight and the (cast) buffer it reads from, which must live until it completes."""
+        i = self.index[id(unit)]
+        self._drop_pending(i)
+        src = values.detach().to(self.dtype[i], copy=True).contiguous().view(-1)
+        es = src.element_size()
+        return self.engine.write(src, self.path(i), offset * es), src
+
+    # -- shards larger than a buffer (Note [shards larger than a staging buffer]) ---------------
+    def _big(self, i: int) -> bool:
+        return self.numel[i] > self.buffer_numel
+
+    def _piece_nbytes(self) -> int:
+        return round_up(self.buffer_numel * max(torch.empty((), dtype=d).element_size() for d in self.dtype))
+
+    def _piece_buffer(self) -> torch.Tensor:
+        return host_empty(self._piece_nbytes() // 4, pin=False, align=ALIGN)  # (before the pool)
+
+    def _pieces(self, i: int, nbytes: int):
+        """(first element, elements, bytes of the O_DIRECT-sized region) of each piece."""
+        es = torch.empty((), dtype=self.dtype[i]).element_size()
+        step = (nbytes // ALIGN * ALIGN) // es  # aligned file offsets for every piece
+        for a in range(0, self.numel[i], step):
+            n = min(step, self.numel[i] - a)
+            yield a, n, round_up(n * es)
+
+    def _read_pieces(self, i: int, into: torch.Tensor) -> None:
+        buf = self._take(block=True)
+        es = into.element_size()
+        flat = into.view(-1)
+        for a, n, region in self._pieces(i, buf.numel() * 4):
+            self.engine.read(buf.view(torch.uint8)[:region], self.path(i), a * es).wait()
+            flat[a : a + n].copy_(buf.view(torch.uint8)[: n * es].view(self.dtype[i]))
+        self._give_back(buf)
+
+    def _write_pieces(self, i: int, values: torch.Tensor, buf: torch.Tensor) -> None:
+        src = values.detach().reshape(-1)
+        es = torch.empty((), dtype=self.dtype[i]).element_size()
+        for a, n, region in self._pieces(i, buf.numel() * 4):
+            buf.view(torch.uint8)[: n * es].view(self.dtype[i]).copy_(src[a : a + n])
+            self.engine.write(buf.view(torch.uint8)[:region], self.path(i), a * es).wait()
 
     # -- internals ------------------------------------------------------------------------------
     def _take(self, block: bool) -> torch.Tensor | None:
@@ -170,7 +276,7 @@ class NvmeShardStore:
             self._give_back(pending[1])
 
     def host_tensors(self, units) -> list[torch.Tensor]:
-        return self.pool.tensors()
+        return self.pool.tensors() if self._pool is not None else []
 
     def nvme_bytes(self) -> int:
         return sum(os.path.getsize(self.path(i)) for i in range(len(self.units))
@@ -182,5 +288,6 @@ class NvmeShardStore:
         for buf in self._held.values():
             self._give_back(buf)
         self._held.clear()
-        self.pool.drain()
+        if self._pool is not None:
+            self._pool.drain()
         self.engine.close()

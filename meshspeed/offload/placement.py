@@ -52,7 +52,7 @@ class OffloadPlacement(DevicePlacement):
     """Handed to `Zero` as its placement; `bind` runs once the units exist."""
 
     def __init__(self, *, device: torch.device, offload_optimizer: bool, offload_param: str,
-                 pin: bool, delayed: bool, make_shard_store=None):
+                 pin: bool, delayed: bool, make_shard_store=None, make_master_files=None):
         self.device = device
         self.pin = pin
         self.offload_optimizer = offload_optimizer
@@ -60,6 +60,10 @@ class OffloadPlacement(DevicePlacement):
         self._param_tier = offload_param
         self.runner = BackgroundStep() if delayed else None
         self.make_shard_store = make_shard_store
+        # make_master_files(placement) -> MasterFiles: masters in swap files (masters.py);
+        # None: in host memory. Delayed updates keep them in memory (Note [masters on NVMe]).
+        self.make_master_files = None if delayed else make_master_files
+        self.master_files = None
         self._published = True  # masters and parameters agree
         self._host: list[torch.Tensor] = []  # storages that are host tier by placement
         self._host_grads: dict[int, torch.Tensor] = {}
@@ -67,27 +71,45 @@ class OffloadPlacement(DevicePlacement):
         self.shard_store = None
         self.swap_dirs: dict[str, object] = {}  # nvme_path -> this rank's SwapDir there
 
-    def bind(self, zero) -> None:
-        on_host = self.device.type == "cpu"
-        sharded = [u for u in zero.units if u.shard_params]
+    def unit_built(self, zero, unit) -> None:
+        """One unit is built: its masters go to their buffer or file and its stage-3 shard
+        to the shard store now, before the next unit is built (Note [units placed as they
+        are built])."""
+        if self.make_master_files is not None and self.master_files is None:
+            self.master_files = self.make_master_files(self)
+        op = self._param_tier
+        shards_move = op == "nvme" or (op == "cpu" and self.device.type != "cpu")
         # a shard that leaves this memory (to a file, or from a device to the host) cannot
         # stay the fp32 master it was in fp32 training: masters get their own host buffer
-        op = self._param_tier
-        shards_move = op == "nvme" or (op == "cpu" and not on_host)
-        separate = self.runner is not None or not on_host or shards_move
-        for unit in zero.units:
-            if self.offload_optimizer or (shards_move and unit.shard_params):
-                self._place_masters(zero, unit, copy=separate)
-        if self.offload_param and self.make_shard_store is not None:
-            self.shard_store = self.make_shard_store(self, sharded)
-            for unit in sharded:
-                unit.use_store(self.shard_store)
+        separate = self.runner is not None or self.device.type != "cpu" or shards_move
+        if self.offload_optimizer or (shards_move and unit.shard_params):
+            self._place_masters(zero, unit, copy=separate)
+        if unit.shard_params and self.offload_param and self.make_shard_store is not None:
+            if self.shard_store is None:
+                self.shard_store = self.make_shard_store(self, [])
+            self.shard_store.add(unit)
+            unit.use_store(self.shard_store)
+
+    def bind(self, zero) -> None:
+        """Every unit is built and placed (`unit_built`); nothing is left to move."""
 
     # -- placement ----------------------------------------------------------------------------
+    # Note [units placed as they are built]
+    # `Zero` hands each unit to `unit_built` as soon as it is built, before building the
+    # next: a unit's fp32 `master_buffer` and stage-3 shard move to their file (or host
+    # buffer) and are freed there, so initialize holds one unit's fp32 master and shard
+    # at a time rather than every unit's (4 + 2 bytes a parameter for the whole model, the
+    # init peak when all units were built first and placed in `bind`). The shard store
+    # sizes its staging pool at its first use, once all are added (Note [shards larger
+    # than a staging buffer] in param.py).
+
     def _place_masters(self, zero, unit, copy: bool) -> None:
         """Point the unit's masters at one host buffer (Note [offload on a CPU-only machine])."""
         if unit.master_buffer is None and not copy:
             return  # fp32 on the CPU: the master is the parameter's own slice (counted there)
+        if self.master_files is not None:
+            self._swap_masters(zero, unit)
+            return
         buf = host_empty(unit.shard_numel, torch.float32, pin=self.pin).zero_()
         for i, (s, p, m) in enumerate(zip(unit.spans, unit.params, unit.masters)):
             view = buf[s.offset : s.offset + s.numel]
@@ -102,20 +124,55 @@ class OffloadPlacement(DevicePlacement):
         unit.master_buffer = buf
         self._host.append(buf)
 
+    def _swap_masters(self, zero, unit) -> None:
+        """The unit's masters -> their file; placeholders take their place (masters.py)."""
+        files = self.master_files
+        values = unit.master_buffer if unit.master_buffer is not None else unit.shard
+        fresh = files.add(unit, values)
+        for i, (p, m) in enumerate(zip(unit.params, fresh)):
+            unit.masters[i] = m
+            zero.master_of[id(p)] = m
+        unit.master_buffer = None  # freed: the file holds the masters from now on
+        u = len(files.units) - 1
+        unit.master_sink = lambda values, u=u: files.write_unit(u, values)
+
+    def swapped_master(self, master):
+        """A SwappedMaster for a master that lives in a file, else None."""
+        if self.master_files is None or not self.master_files.holds(master):
+            return None
+        from meshspeed.offload.masters import SwappedMaster
+
+        return SwappedMaster(self.master_files, master)
+
     def _copies_grads(self, unit) -> bool:
         # a delayed update reads its gradients while the next backward reduces new ones
         # into the unit's (persistent) gradient shard: it must step on a copy
-        return unit.master_buffer is not None and (
-            unit.grad_shard.dtype != torch.float32 or unit.grad_shard.device != unit.master_buffer.device
-            or self.device.type != "cpu" or self.runner is not None)
+        swapped = self.master_files is not None and any(self.master_files.holds(m) for m in unit.masters)
+        if unit.master_buffer is None and not swapped:
+            return False
+        return (unit.grad_shard.dtype != torch.float32 or unit.grad_shard.device.type != "cpu"
+                or self.device.type != "cpu" or self.runner is not None)
 
     def grad_shard_ready(self, unit) -> None:
         """Copy one unit's reduced gradient into its host fp32 buffer (non-blocking into
         pinned memory on an accelerator), as each unit's reduction lands at the
         accumulation boundary, so the copies overlap the rest of backward. A delayed
         update still reads last step's host gradients meanwhile: it copies at the step."""
-        if self.runner is None:
-            self._move_grad_shard(unit)
+        if self.runner is None and self._move_grad_shard(unit):
+            # the host copy is what the step reads: the 16-bit shard is not kept across
+            # steps (2 bytes a parameter; Note [one gradient copy between steps])
+            unit.grad_moved(self._host_grads[id(unit)])
+
+    # Note [one gradient copy between steps]
+    # Without a delayed update, each unit's reduced gradient is copied into its fp32 host
+    # buffer as its reduction lands at the boundary backward (`grad_shard_ready`), and
+    # `FlatUnit.grad_moved` then makes that copy the unit's `grad_shard` and frees the
+    # 16-bit one: between the boundary and the next backward only the fp32 host copy is
+    # held (4 bytes a parameter, not 4 + 2). The values are the same (the copy of the
+    # 16-bit shard, accumulated over micro-steps in 16 bits as before); readers of
+    # `grad_shard` (safe_get_full_grad) see them in fp32. The next step's first reduction
+    # allocates the 16-bit buffer again: one shard-sized block per unit per step, which
+    # on the CPU is an mmap (Note [a fixed mmap threshold for CPU training]).
 
     def _move_grad_shard(self, unit) -> bool:
         if unit.grad_shard is None or not self._copies_grads(unit):
@@ -134,10 +191,11 @@ class OffloadPlacement(DevicePlacement):
         for unit in units:
             if unit.grad_shard is None:
                 continue
-            if not self._copies_grads(unit):
+            moved = id(unit) in self.grads_on_host  # (then grad_shard is the host copy)
+            if not moved and not self._copies_grads(unit):
                 unit.attach_master_grads()
                 continue
-            if id(unit) not in self.grads_on_host:
+            if not moved:
                 copied |= self._move_grad_shard(unit)
             host = self._host_grads[id(unit)]
             for s, m in zip(unit.spans, unit.masters):
@@ -202,12 +260,17 @@ class OffloadPlacement(DevicePlacement):
         return self.swap_dirs[nvme_path]
 
     def nvme_bytes(self) -> dict[str, int]:
-        return {} if self.shard_store is None else {"params": self.shard_store.nvme_bytes()}
+        out = {} if self.shard_store is None else {"params": self.shard_store.nvme_bytes()}
+        if self.master_files is not None:
+            out["master_params"] = self.master_files.nvme_bytes()
+        return out
 
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
         if self.shard_store is not None:
             self.shard_store.close()
+        if self.master_files is not None:
+            self.master_files.close()
         for swapdir in self.swap_dirs.values():
             swapdir.close()

@@ -136,7 +136,27 @@ def offload_placement(cfg) -> OffloadPlacement | None:
     return OffloadPlacement(device=get_device(), offload_optimizer=oo != "none",
                             offload_param=op, pin=_pin(cfg),
                             delayed=oo != "none" and o.delayed_update,
-                            make_shard_store=_shard_store_factory(cfg, op))
+                            make_shard_store=_shard_store_factory(cfg, op),
+                            make_master_files=_master_files_factory(cfg, oo))
+
+
+def _swap_engine(cfg):
+    from meshspeed.offload.aio import SwapEngine
+
+    a = cfg.aio
+    return SwapEngine(block_size=a.block_size, queue_depth=a.queue_depth,
+                      thread_count=a.thread_count, single_submit=a.single_submit,
+                      overlap_events=a.overlap_events)
+
+
+def _master_files_factory(cfg, oo: str):
+    """NVMe optimizer offload keeps the fp32 masters in swap files too (masters.py)."""
+    if oo != "nvme":
+        return None
+    from meshspeed.offload.masters import MasterFiles
+
+    o = cfg.zero_optimization.offload_optimizer
+    return lambda placed: MasterFiles(placed.swap_dir(o.nvme_path).sub("masters"), _swap_engine(cfg))
 
 
 def _shard_store_factory(cfg, op: str):
@@ -169,7 +189,8 @@ def check_host_memory(strategy, cfg) -> None:
     if tier == "none":
         return
     owned = sum(u.shard_numel for u in strategy.units)
-    need = owned * (4 + 4 + (8 if tier == "cpu" else 0))  # masters, grads, (Adam state)
+    # grads, and in memory unless on NVMe: masters and Adam's state
+    need = owned * (4 + (12 if tier == "cpu" else 0))
     free = available_host_bytes()
     problems = []
     if free is not None and need * local_world_size() > free:
@@ -226,6 +247,7 @@ def _swap_store(rule, sub_groups, cfg, placement):
                         thread_count=a.thread_count, single_submit=a.single_submit,
                         overlap_events=a.overlap_events)
     store = SwapStore(rule, sub_groups, swapdir.sub("optimizer"), engine,
-                      buffer_count=o.buffer_count, pin=placement.pin, preallocate=not o.fast_init)
+                      buffer_count=o.buffer_count, pin=placement.pin, preallocate=not o.fast_init,
+                      masters=placement.master_files)
     store.owner = swapdir  # the directory lives as long as the store
     return store

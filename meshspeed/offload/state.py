@@ -113,6 +113,10 @@ class HostStore:
                 entry[k] = flat[o : o + n].view(sg.params[i].shape)
         return entry
 
+    def params(self, handle: SubGroup, stepped: list[bool]) -> list[torch.Tensor]:
+        """The tensors the update writes: the masters themselves."""
+        return [p for p, take in zip(handle.params, stepped) if take]
+
     def step_tensors(self, sg: SubGroup, stepped: list[bool]) -> list[torch.Tensor]:
         if not self.rule.counts_steps:
             return []
@@ -190,6 +194,7 @@ class _Handle:
     sg: SubGroup
     buffers: dict[str, torch.Tensor]
     reads: list[IoRequest]
+    master: torch.Tensor | None = None  # the sub-group's fp32 masters, when they are swapped
 
 
 class SwapStore:
@@ -204,14 +209,19 @@ class SwapStore:
     tier = "nvme"
 
     def __init__(self, rule, sub_groups: list[SubGroup], directory: str, engine: SwapEngine, *,
-                 buffer_count: int, pin: bool, preallocate: bool):
+                 buffer_count: int, pin: bool, preallocate: bool, masters=None):
         if not rule.zero_init:
             raise ConfigError([("offload_optimizer.device \"nvme\" supports Adam and AdamW "
                                "(state created as zeros); use device \"cpu\" for SGD")])
-        k = len(rule.state_keys)
+        # masters: a MasterFiles (masters.py) when the fp32 masters are swapped with the state
+        if masters is not None and not any(masters.holds(p) for sg in sub_groups for p in sg.params):
+            masters = None  # (fp32 masters that are the parameters themselves stay put)
+        self.masters = masters
+        k = len(rule.state_keys) + (masters is not None)
         if buffer_count < k:
+            what = "one per optimizer state" + (" and one for the fp32 masters" if masters else "")
             raise ConfigError([(f"offload_optimizer.buffer_count: {buffer_count} is fewer than the "
-                               f"{k} swap buffers one sub-group needs (one per optimizer state); "
+                               f"{k} swap buffers one sub-group needs ({what}); "
                                f"use at least {k}, and {2 * k} to overlap swapping with the update")])
         self.rule = rule
         self.dir = directory
@@ -224,6 +234,10 @@ class SwapStore:
         nbytes = max((sg.nbytes for sg in sub_groups), default=0)
         self.pool = BufferPool(buffer_count, nbytes, pin)
         self.state = SwappedState(self)
+        # per sub-group, the runs of its masters in their files (Note [masters on NVMe])
+        self.runs = {sg.index: masters.runs([p for p in sg.params if masters.holds(p)],
+                                            [o for p, o in zip(sg.params, sg.offsets) if masters.holds(p)])
+                     for sg in sub_groups} if masters is not None else {}
         self.owner = None  # keeps the directory (a SwapDir) alive as long as the store
         self._check_space()
         if preallocate:  # fail now, not mid-step, if the files cannot be created
@@ -243,18 +257,20 @@ class SwapStore:
 
     # -- pipeline ---------------------------------------------------------------------------
     def prefetch(self, sg: SubGroup, block: bool = True) -> _Handle | None:
-        buffers = self.pool.take(len(self.rule.state_keys), block)
+        k = len(self.rule.state_keys)
+        buffers = self.pool.take(k + (self.masters is not None), block)
         if buffers is None:
             return None
         named = dict(zip(self.rule.state_keys, buffers))
-        reads = []
+        master = buffers[k] if self.masters is not None else None
+        reads = [] if master is None else self.masters.read_runs(self.runs[sg.index], master)
         for key, buf in named.items():
             region = buf[: sg.nbytes // _F32]
             if sg.index in self.written:
                 reads.append(self.engine.read(region, self.path(sg, key)))
             else:
                 region.zero_()
-        return _Handle(sg, named, reads)
+        return _Handle(sg, named, reads, master)
 
     def acquire(self, handle: _Handle, stepped: list[bool]) -> dict[str, list]:
         for r in handle.reads:
@@ -269,6 +285,16 @@ class SwapStore:
                 self.steps[p] = _new_step()
         return lists
 
+    def params(self, handle: _Handle, stepped: list[bool]) -> list[torch.Tensor]:
+        """The tensors the update writes: views of the swapped-in masters where the masters
+        live in files, the master parameters themselves otherwise."""
+        sg = handle.sg
+        if handle.master is None:
+            return [p for p, take in zip(sg.params, stepped) if take]
+        views = _views(handle.master, sg)
+        return [v if self.masters.holds(p) else p
+                for p, v, take in zip(sg.params, views, stepped) if take]
+
     def step_tensors(self, sg: SubGroup, stepped: list[bool]) -> list[torch.Tensor]:
         return [self.steps[p] for p, take in zip(sg.params, stepped) if take]
 
@@ -276,11 +302,21 @@ class SwapStore:
         sg = handle.sg
         writes = [self.engine.write(buf[: sg.nbytes // _F32], self.path(sg, key))
                   for key, buf in handle.buffers.items()]
+        buffers = list(handle.buffers.values())
+        if handle.master is not None:
+            views = _views(handle.master, sg)
+            for p, v, take in zip(sg.params, views, stepped or [True] * len(sg.params)):
+                if take and self.masters.holds(p):
+                    self.masters.publish(p, v)  # the 16-bit shard follows the updated master
+            writes += self.masters.write_runs(self.runs[sg.index], handle.master)
+            buffers.append(handle.master)
         self.written.add(sg.index)
-        self.pool.give_back_after(writes, list(handle.buffers.values()))
+        self.pool.give_back_after(writes, buffers)
 
     def drain(self) -> None:
         self.pool.drain()
+        if self.masters is not None:
+            self.masters.drain()
 
     # -- single-parameter access (checkpoints) ------------------------------------------------
     def read_param(self, p: nn.Parameter) -> dict:

@@ -32,6 +32,15 @@ class OwnedSlice:
     # not split (`shape` is then the logical shape). Strategies leave it None: the
     # checkpoint fills it from the layers' `tp_shards` (snapshot.ordered_slices).
     tp: TPShard | None = None
+    # masters in swap files (meshspeed/offload/masters.py): `master` is then a placeholder
+    # without memory and this reads (`read() -> flat fp32 copy`) / writes (`write(values)`)
+    # the range; read masters through `master_values(slice)`.
+    swap: Any = None
+
+
+def master_values(s: OwnedSlice) -> torch.Tensor:
+    """The slice's fp32 master values (read from its swap file when it has one)."""
+    return s.master if s.swap is None else s.swap.read()
 
 
 @dataclass(frozen=True)

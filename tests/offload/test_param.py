@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshspeed.config import ConfigError
 from meshspeed.offload.aio import SwapEngine
 from meshspeed.offload.param import HostShardStore, NvmeShardStore
 from meshspeed.testing import run_distributed
@@ -45,10 +44,30 @@ def test_nvme_store_fetch_write_and_prefetch(tmp_path, dtype, buffers):
     store.close()
 
 
-def test_nvme_store_buffer_must_hold_the_largest_shard(tmp_path):
-    with pytest.raises(ConfigError, match="buffer_size"):
-        NvmeShardStore(_units(), str(tmp_path), SwapEngine(), buffer_count=2, buffer_numel=100,
-                       pin=False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvme_store_reads_and_writes_a_shard_larger_than_a_buffer_in_pieces(tmp_path, dtype):
+    """Note [shards larger than a staging buffer]: a 4096-element shard through 1024-element
+    buffers (it raised a ConfigError before); the pool is sized by the buffer."""
+    units = _units(dtype)
+    want = [u.shard.clone() for u in units]
+    store = NvmeShardStore(units, str(tmp_path), SwapEngine(), buffer_count=2, buffer_numel=1024,
+                           pin=False)
+    with pytest.raises(ValueError, match="into"):
+        store.fetch(units[2])
+    for _ in range(2):
+        for i in [0, 1, 2, 3, 3, 2, 1, 0]:
+            into = torch.empty(want[i].numel(), dtype=dtype)
+            got = store.fetch(units[i], into=into)
+            assert torch.equal(got, want[i])
+            assert (got is into) == (i == 2)  # only the big one is read in place
+            store.done(units[i])
+    new = torch.randn(4096).to(dtype)
+    store.write(units[2], new.float())
+    assert torch.equal(store.fetch(units[2], into=torch.empty(4096, dtype=dtype)), new)
+    store.done(units[2])
+    es = want[0].element_size()
+    assert all(b.numel() * 4 <= -(-1024 * es // 4096) * 4096 + 4096 for b in store.pool.tensors())
+    store.close()
 
 
 def test_host_store_on_cpu_serves_the_shard_itself():
@@ -76,6 +95,23 @@ def test_param_offload_matches_stage3(tmp_path):
         for name in want[1]:
             assert torch.equal(got[1][name], want[1][name]), name
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_shards_larger_than_buffer_size_train_like_stage3(tmp_path, precision):
+    """Everything on nvme with `offload_param.buffer_size` (1024 elements) far below the
+    shards (the root unit's and the blocks'; a ConfigError before): the shards stream in
+    pieces (Note [shards larger than a staging buffer]) and the run is bit for bit the
+    run without offload (reference kernel)."""
+    zero = {**offload("nvme", str(tmp_path), buffer_count=6), "sub_group_size": 3000,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path),
+                              "buffer_count": 2, "buffer_size": 1024}}
+    setups = [setup(3, precision=precision, extra_config=exact_adamw()),
+              setup(3, zero, precision=precision, extra_config=exact_adamw())]
+    base, nvme = run_distributed(runs_and_cleanup, world_size=2, args=(setups,), timeout=300)[0]
+    assert nvme[0] == base[0]
+    for name in base[1]:
+        assert torch.equal(nvme[1][name], base[1][name]), name
 
 
 def test_param_nvme_bytes_match_the_files(tmp_path):

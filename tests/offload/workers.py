@@ -191,3 +191,56 @@ def grads_moved_during_backward(s: ParitySetup) -> tuple[int, int]:
     moved = len(engine.strategy.placement.grads_on_host)
     engine.step()
     return moved, len(engine.strategy.units)
+
+
+def masters_on_disk(s: ParitySetup) -> dict:
+    """After two steps: where the masters are (bytes of placeholders and of their files)."""
+    engine = _engine(s)
+    _train(engine, s, 2)
+    placement = engine.strategy.placement
+    files = placement.master_files
+    masters = engine.strategy.masters()
+    out = {"mem": engine.memory_breakdown(), "owned": sum(m.numel() for m in masters),
+           "held": all(files.holds(m) for m in masters) if files else False,
+           "placeholder_bytes": sum(m.untyped_storage().nbytes() for m in masters),
+           "unit_buffers": sum(u.master_buffer is not None for u in engine.strategy.units),
+           "files": files.nvme_bytes() if files else 0}
+    close(engine)
+    return out
+
+
+def peak_rss_growth(s: ParitySetup, steps: int, warmup: ParitySetup) -> dict:
+    """Train `steps` steps in this (one-rank) process, sampling RSS every 5 ms from before
+    the model is built; returns the peak growth and the model's size. `warmup` (a tiny
+    model, same config) runs first, so code loaded on first use is not counted."""
+    import threading
+    import time
+
+    engine = _engine(warmup)
+    _train(engine, warmup, steps)
+    close(engine)
+    del engine
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    gc.collect()
+    start, peak, stop = rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        engine = _engine(s)
+        losses = _train(engine, s, steps)
+        numel = sum(u.layout.numel for u in engine.strategy.units)
+        close(engine)
+    finally:
+        stop.set()
+        thread.join()
+    return {"growth": peak[0] - start, "numel": numel, "losses": losses}

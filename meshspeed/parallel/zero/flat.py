@@ -125,6 +125,10 @@ class FlatUnit:
         # a swap file), set by the offload placement through `use_store`: fetch(unit) ->
         # shard on the device, done(unit) after the all-gather, write(unit, values).
         self.shard_store = None
+        # Where the fp32 masters go when they live in files (offload, Note [masters on NVMe]
+        # in meshspeed/offload/masters.py): then `master_buffer` is None and
+        # `master_sink(values)` receives the owned range after a change from outside.
+        self.master_sink = None
         self.flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         self.views = [self.flat[o : o + n].view(shape)
                       for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.shapes)]
@@ -148,8 +152,9 @@ class FlatUnit:
             self.grads.bind()
         self.grad_shard: torch.Tensor | None = None  # this step's reduced gradient (or None)
         # its storage, kept across steps (reduction outputs allocated per micro-step would
-        # churn shard-sized blocks through the allocator every step); stage 1 reduces in
-        # place into its own range of the full gradient buffer
+        # churn shard-sized blocks through the allocator every step) unless a placement
+        # takes the gradient elsewhere (`grad_moved`); stage 1 reduces in place into its
+        # own range of the full gradient buffer
         self._grad_shard_buf = self.grads.flat[lo : lo + self.shard_numel] if self.grads is not None \
             else torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
         self.state = ParamState.WHOLE
@@ -203,8 +208,12 @@ class FlatUnit:
         """Launch the all-gather (prefetch); `gather()` waits for it and exposes the views."""
         if self.state is not ParamState.SHARDED:
             raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
-        shard = self.shard if self.shard_store is None else self.shard_store.fetch(self)
         self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+        if self.shard_store is None:
+            shard = self.shard
+        else:  # a store may read the shard into our own range (then the gather is in place)
+            lo = self.rank * self.shard_numel
+            shard = self.shard_store.fetch(self, into=self.flat[lo : lo + self.shard_numel])
         self._pending = comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard,
                                                     async_op=True)
         self.state = ParamState.GATHERING
@@ -298,7 +307,7 @@ class FlatUnit:
                 self._zero_gaps(staged)
             src = staged
         direct = self.grad_shard is None and self.comm_dtype == self.dtype
-        out = self._grad_shard_buf if direct else self.pool.take(self.shard_numel)
+        out = self._grad_buffer() if direct else self.pool.take(self.shard_numel)
         work = comm.reduce_scatter_tensor(out, src, group=self.groups.shard, async_op=True)
 
         def finish() -> None:
@@ -314,12 +323,28 @@ class FlatUnit:
                 self.grad_shard = out
                 return
             if self.grad_shard is None:
-                self.grad_shard = self._grad_shard_buf.copy_(out)
+                self.grad_shard = self._grad_buffer().copy_(out)
             else:
                 self.grad_shard.add_(out)
             self.pool.give_back(out)
 
         return finish
+
+    def _grad_buffer(self) -> torch.Tensor:
+        if self._grad_shard_buf is None:  # dropped by `grad_moved` after the last step
+            self._grad_shard_buf = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+        return self._grad_shard_buf
+
+    def grad_moved(self, copy: torch.Tensor) -> None:
+        """The step's reduced gradient now lives in `copy` (a placement's fp32 host copy of
+        the same values): it becomes `grad_shard`, and the 16-bit buffer is freed until the
+        next reduction (stages 2-3; stage 1's is a view of the full gradient buffer)."""
+        if copy.numel() != self.shard_numel:
+            raise ValueError(f"unit {self.name}: gradient copy of {copy.numel()} elements, "
+                             f"shard has {self.shard_numel}")
+        self.grad_shard = copy
+        if self.grads is None:
+            self._grad_shard_buf = None
 
     def _zero_gaps(self, staged: torch.Tensor) -> None:
         for off, n, arrived in zip(self.layout.offsets, self.layout.numels, self._arrived):
@@ -374,6 +399,8 @@ class FlatUnit:
             self._write_shard(fresh)
         if self.master_buffer is not None:
             self.master_buffer.copy_(fresh)
+        elif self.master_sink is not None:
+            self.master_sink(fresh)
 
     def refresh_from_masters(self) -> None:
         """Masters were written from outside the step (`safe_set_full_fp32_param`): the
@@ -391,6 +418,15 @@ class FlatUnit:
         if self.shard_store is not None:
             self.shard_store.done(self)
 
+    def write_shard_range(self, offset: int, values: torch.Tensor):
+        """Elements [offset, offset + n) of this rank's shard become `values` (cast); the
+        step's publish when the masters live in files. Returns None, or (request, buffer)
+        of a write still in flight (the caller waits before the next gather)."""
+        if self.shard_store is None:
+            self.shard[offset : offset + values.numel()].copy_(values)
+            return None
+        return self.shard_store.write_range(self, offset, values)
+
     def _write_shard(self, values: torch.Tensor) -> None:
         if self.shard_store is None:
             self.shard.copy_(values)
@@ -402,7 +438,7 @@ class FlatUnit:
         return [self.shard] if self.shard_params else [self.flat]
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        out = [self._grad_shard_buf]
+        out = [] if self._grad_shard_buf is None else [self._grad_shard_buf]
         if self.grads is not None:
             out.append(self.grads.flat)
         return out + [p.grad for p in self.params if p.grad is not None]

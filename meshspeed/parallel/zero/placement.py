@@ -5,7 +5,9 @@ the compute device) is the default, and meshspeed/offload/placement.py's
 `OffloadPlacement` keeps masters, their gradients and stage-3 shards in host memory or
 swap files. The strategy never asks which one it has.
 
-    bind(zero)               units are built: move masters (update zero.master_of), shard stores
+    unit_built(zero, unit)   one unit is built (before the next): move its masters (update
+                             zero.master_of) and its stage-3 shard
+    bind(zero)               every unit is built
     grad_shard_ready(unit)   a unit's reduced gradient landed during the boundary backward
     before_step(zero)        prepare_step starts (a delayed update is joined and published)
     attach_grads(units)      masters get their gradients
@@ -25,6 +27,9 @@ class DevicePlacement:
 
     pin = False
     runner = None  # no background optimizer step
+
+    def unit_built(self, zero, unit) -> None:
+        pass
 
     def bind(self, zero) -> None:
         pass
@@ -52,6 +57,10 @@ class DevicePlacement:
 
     def flush(self, zero) -> None:
         pass
+
+    def swapped_master(self, master):
+        """An object with read() / write(values) when `master` lives in a file, else None."""
+        return
 
     def extra_grads(self) -> list[torch.Tensor]:
         return []

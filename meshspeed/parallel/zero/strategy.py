@@ -86,7 +86,13 @@ class Zero:
         else:
             total = sum(p.numel() for p in module.parameters())
             plan = bucket_units(module, unit_numel(total, bucket_numel))
-        self.units = [self._make_unit(u, comm_dtype) for u in plan.units]
+        self.master_of: dict[int, nn.Parameter] = {}
+        self.units: list[FlatUnit] = []
+        for u in plan.units:
+            # placed before the next is built (Note [units placed as they are built] in
+            # meshspeed/offload/placement.py): the init peak is one unit, not the model
+            self.units.append(self._make_unit(u, comm_dtype))
+            self.placement.unit_built(self, self.units[-1])
         self.master_of = {
             id(p): m for unit in self.units for p, m in zip(unit.params, unit.masters)
         }
@@ -256,7 +262,7 @@ class Zero:
         for unit in self.units:
             for name, shape, p, s, m in zip(unit.names, unit.shapes, unit.params, unit.spans, unit.masters):
                 out.append(OwnedSlice(name, shape, unit.dtype, s.start, s.start + s.numel, m, m, True,
-                                      p.requires_grad))
+                                      p.requires_grad, swap=self.placement.swapped_master(m)))
         return out
 
     def sync_params_from_masters(self) -> None:
@@ -299,8 +305,17 @@ class Zero:
         grad = None
         if unit.grad_shard is not None and param.requires_grad:
             grad = unit.grad_shard[s.offset : s.offset + s.numel]
-        return ParamAccess(torch.Size(unit.shapes[i]), s.start, s.start + s.numel, master.detach(), master,
-                           grad, True, self.groups.shard, unit.refresh_from_masters)
+        values, publish = master.detach(), unit.refresh_from_masters
+        swap = self.placement.swapped_master(master)
+        if swap is not None:  # a copy read from the file; publish writes it back first
+            values = swap.read()
+
+            def publish(values=values, swap=swap, unit=unit):
+                swap.write(values)
+                unit.refresh_from_masters()
+
+        return ParamAccess(torch.Size(unit.shapes[i]), s.start, s.start + s.numel, values, master,
+                           grad, True, self.groups.shard, publish)
 
     def check_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """A use registered after initialize must need no regrouping (external.py)."""
