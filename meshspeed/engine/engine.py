@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.config.errors import ConfigError
 from meshspeed.engine.agreement import STEP_COUNTERS, agree
 from meshspeed.engine.memory import count_bytes
 from meshspeed.engine.tp_grads import TensorParallelGrads
 from meshspeed.offload.tiers import add_tiers, resident_state_tensors
-from meshspeed.optim.clip import clip_by_norm_, global_grad_norm
+from meshspeed.optim.clip import clip_by_norm_, clip_coef, global_grad_norm
 from meshspeed.optim.precision import unscale_and_check
 
 log = logging.getLogger("meshspeed")
@@ -49,6 +50,11 @@ class MeshspeedEngine(nn.Module):
         self.topology = topology
         self.dp_group = topology.group("dp")
         self._tp = TensorParallelGrads(module, strategy.master_of, topology.group("tp"), topology.size("tp"))
+        if self._tp.has_partial and strategy.deferred_grads() is not None:
+            raise ConfigError([("tensor_parallel.sequence_parallel with offload_optimizer.device "
+                               "\"nvme\": the partial gradients of sequence-parallel norms are summed "
+                               "over tp in memory, and NVMe offload keeps gradients in files; use "
+                               "offload_optimizer.device \"cpu\" or turn sequence_parallel off")])
         # Note [agreement before each step]: with tensor parallelism a rank agrees with its
         # dp peers and its tp peers, which together reach every rank
         self._agree_over = [topology.group(a) for a in ("dp", "tp") if topology.size(a) > 1]
@@ -221,6 +227,9 @@ class MeshspeedEngine(nn.Module):
             scaled = scaled / self.gradient_accumulation_steps
         if self.loss_scaler.scale != 1.0:
             scaled = scaled * self.loss_scaler.scale
+        deferred = self.strategy.deferred_grads()
+        if deferred is not None:  # gradients land in files, unscaled on the way
+            deferred.loss_scale = self.loss_scaler.scale
         scaled.backward(retain_graph=retain_graph)
         self.strategy.finish_backward()
         self._backward_done = self._backward_done or not self._no_sync  # no_sync's are carried on
@@ -259,9 +268,12 @@ class MeshspeedEngine(nn.Module):
         grads = [m.grad for m in masters]
         groups = self.strategy.grad_norm_groups()
         check = self.config.fp16.enabled or self.config.check_finite
-        overflow = unscale_and_check(grads, self.loss_scaler.scale,
-                                     [*groups, *([self._tp.group] if self._tp.active else [])],
-                                     self.device) if check else False
+        check_over = [*groups, *([self._tp.group] if self._tp.active else [])]
+        deferred = self.strategy.deferred_grads()  # Note [gradients in their NVMe slot]
+        if deferred is not None:  # placeholders stand for gradients in files, already unscaled
+            grads = [m.grad for m in masters if not deferred.holds_grad(m)]
+        overflow = unscale_and_check(grads, self.loss_scaler.scale, check_over, self.device,
+                                     local=deferred is not None and deferred.nonfinite) if check else False
         if overflow and not self.config.fp16.enabled and comm.get_rank() == 0:
             log.warning("step %d: non-finite (NaN/inf) gradients on some rank; step skipped on "
                         "every rank (check_finite)", self.global_steps)
@@ -271,8 +283,11 @@ class MeshspeedEngine(nn.Module):
         else:
             if self.config.gradient_clipping > 0:
                 norm = global_grad_norm(grads, groups, self.device, tp_group=self._tp.group,
-                                        tp_split=self._tp.split_mask(masters))
+                                        tp_split=self._tp.split_mask(masters),
+                                        norms=None if deferred is None else deferred.norms(masters))
                 clip_by_norm_(grads, self.config.gradient_clipping, norm)
+                if deferred is not None:
+                    deferred.clip_(clip_coef(self.config.gradient_clipping, norm))
                 self._grad_norm = float(norm)
             self.optimizer.step()
             self._step_applied = True

@@ -29,6 +29,10 @@ class TensorParallelGrads:
         self._partial = [master_of[id(p)] for p in partial_grad_params(module) if id(p) in master_of]
 
     @property
+    def has_partial(self) -> bool:
+        return self.group is not None and bool(self._partial)
+
+    @property
     def active(self) -> bool:
         return self.group is not None
 

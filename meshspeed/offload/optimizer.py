@@ -136,14 +136,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if nxt is not None:  # swap in the next sub-group while this one updates
                     ahead = store.prefetch(nxt.sg, block=False)
                 self._update(item, state, store.params(handle, item.stepped),
-                             store.step_tensors(item.sg, item.stepped), options)
+                             store.step_tensors(item.sg, item.stepped), options,
+                             store.step_grads(handle, item.stepped, item.grads))
                 store.release(handle, item.stepped, state)
                 if nxt is not None and ahead is None:
                     ahead = store.prefetch(nxt.sg)
             store.drain()
 
     def _update(self, item: _Work, state: dict[str, list], targets: list[torch.Tensor], steps: list,
-                options: list[dict]) -> None:
+                options: list[dict], grads: list[torch.Tensor]) -> None:
         """`targets`: what the rule writes for each stepped parameter (the master itself, or
         its swapped-in copy: Note [masters on NVMe] in masters.py)."""
         params = [p for p, take in zip(item.sg.params, item.stepped) if take]
@@ -152,7 +153,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             by_group[self._group_of[p]].append(j)
         for gi, idx in by_group.items():
             sub_state = {k: _pick(v, idx) for k, v in state.items()}
-            self.rule.step(_pick(targets, idx), _pick(item.grads, idx), sub_state,
+            self.rule.step(_pick(targets, idx), _pick(grads, idx), sub_state,
                            _pick(steps, idx) if steps else [], options[gi])
             for k, values in sub_state.items():  # state the step created (SGD momentum)
                 for j, v in zip(idx, values):

@@ -40,6 +40,7 @@ import logging
 import torch
 from torch import nn
 
+from meshspeed.offload.grad_files import grad_placeholder
 from meshspeed.offload.hostmem import host_empty
 from meshspeed.offload.optimizer import BackgroundStep
 from meshspeed.parallel.zero.flat import publish_all
@@ -52,7 +53,8 @@ class OffloadPlacement(DevicePlacement):
     """Handed to `Zero` as its placement; `bind` runs once the units exist."""
 
     def __init__(self, *, device: torch.device, offload_optimizer: bool, offload_param: str,
-                 pin: bool, delayed: bool, make_shard_store=None, make_master_files=None):
+                 pin: bool, delayed: bool, make_shard_store=None, make_master_files=None,
+                 make_grad_files=None):
         self.device = device
         self.pin = pin
         self.offload_optimizer = offload_optimizer
@@ -64,6 +66,10 @@ class OffloadPlacement(DevicePlacement):
         # None: in host memory. Delayed updates keep them in memory (Note [masters on NVMe]).
         self.make_master_files = None if delayed else make_master_files
         self.master_files = None
+        # make_grad_files(placement, master_files) -> GradFiles: the reduced gradients of
+        # units whose masters are in files go to files too (grad_files.py)
+        self.make_grad_files = None if delayed else make_grad_files
+        self.grad_files = None
         self._published = True  # masters and parameters agree
         self._host: list[torch.Tensor] = []  # storages that are host tier by placement
         self._host_grads: dict[int, torch.Tensor] = {}
@@ -77,6 +83,8 @@ class OffloadPlacement(DevicePlacement):
         are built])."""
         if self.make_master_files is not None and self.master_files is None:
             self.master_files = self.make_master_files(self)
+            if self.make_grad_files is not None:
+                self.grad_files = self.make_grad_files(self, self.master_files)
         op = self._param_tier
         shards_move = op == "nvme" or (op == "cpu" and self.device.type != "cpu")
         # a shard that leaves this memory (to a file, or from a device to the host) cannot
@@ -158,6 +166,10 @@ class OffloadPlacement(DevicePlacement):
         pinned memory on an accelerator), as each unit's reduction lands at the
         accumulation boundary, so the copies overlap the rest of backward. A delayed
         update still reads last step's host gradients meanwhile: it copies at the step."""
+        if self._grads_to_file(unit):
+            self.grad_files.land(unit)  # Note [gradients in their NVMe slot] in grad_files.py
+            unit.grad_written()
+            return
         if self.runner is None and self._move_grad_shard(unit):
             # the host copy is what the step reads: the 16-bit shard is not kept across
             # steps (2 bytes a parameter; Note [one gradient copy between steps])
@@ -174,6 +186,15 @@ class OffloadPlacement(DevicePlacement):
     # allocates the 16-bit buffer again: one shard-sized block per unit per step, which
     # on the CPU is an mmap (Note [a fixed mmap threshold for CPU training]).
 
+    def _grads_to_file(self, unit) -> bool:
+        return (self.grad_files is not None and unit.grad_shard is not None
+                and self.grad_files.holds(unit))
+
+    def deferred_grads(self):
+        """The GradFiles when gradients are written to files, else None (the engine's boundary
+        then works on what they recorded: Note [gradients in their NVMe slot])."""
+        return self.grad_files
+
     def _move_grad_shard(self, unit) -> bool:
         if unit.grad_shard is None or not self._copies_grads(unit):
             return False
@@ -188,7 +209,16 @@ class OffloadPlacement(DevicePlacement):
     def attach_grads(self, units) -> None:
         """Gradient shards -> host fp32 buffers, unit by unit; masters' .grad view them."""
         copied = bool(self.grads_on_host)
+        files = self.grad_files
         for unit in units:
+            if self._grads_to_file(unit):  # (a unit whose reduction no hook reported)
+                files.land(unit)
+                unit.grad_written()
+            if files is not None and files.has_landed(unit):
+                for s, m in zip(unit.spans, unit.masters):
+                    if m.requires_grad:
+                        m.grad = grad_placeholder(s.numel)
+                continue
             if unit.grad_shard is None:
                 continue
             moved = id(unit) in self.grads_on_host  # (then grad_shard is the host copy)
@@ -206,6 +236,8 @@ class OffloadPlacement(DevicePlacement):
 
             get_accelerator(self.device.type).synchronize()  # non-blocking D2H copies landed
         self.grads_on_host.clear()
+        if files is not None:
+            files.wait()  # the optimizer reads them back next
 
     # -- the step -------------------------------------------------------------------------------
     def before_step(self, zero) -> None:
@@ -214,6 +246,8 @@ class OffloadPlacement(DevicePlacement):
     def finish_step(self, zero) -> None:
         if self.runner is None:
             super().finish_step(zero)  # publish the masters, drop the gradients
+            if self.grad_files is not None:
+                self.grad_files.reset()
             return
         self._published = False  # the update (if the engine started one) is still running
         for unit in zero.units:
@@ -241,7 +275,8 @@ class OffloadPlacement(DevicePlacement):
 
     # -- accounting -----------------------------------------------------------------------------
     def extra_grads(self) -> list[torch.Tensor]:
-        return list(self._host_grads.values())
+        pending = [] if self.grad_files is None else self.grad_files.host_tensors()
+        return list(self._host_grads.values()) + pending
 
     def host_tensors(self, zero) -> list[torch.Tensor]:
         """Tensors that are host tier by placement (see meshspeed/offload/tiers.py)."""
@@ -263,6 +298,8 @@ class OffloadPlacement(DevicePlacement):
         out = {} if self.shard_store is None else {"params": self.shard_store.nvme_bytes()}
         if self.master_files is not None:
             out["master_params"] = self.master_files.nvme_bytes()
+        if self.grad_files is not None:
+            out["grads"] = self.grad_files.nvme_bytes()
         return out
 
     def close(self) -> None:
@@ -272,5 +309,7 @@ class OffloadPlacement(DevicePlacement):
             self.shard_store.close()
         if self.master_files is not None:
             self.master_files.close()
+        if self.grad_files is not None:
+            self.grad_files.close()
         for swapdir in self.swap_dirs.values():
             swapdir.close()

@@ -137,7 +137,8 @@ def offload_placement(cfg) -> OffloadPlacement | None:
                             offload_param=op, pin=_pin(cfg),
                             delayed=oo != "none" and o.delayed_update,
                             make_shard_store=_shard_store_factory(cfg, op),
-                            make_master_files=_master_files_factory(cfg, oo))
+                            make_master_files=_master_files_factory(cfg, oo),
+                            make_grad_files=_grad_files_factory(cfg, oo))
 
 
 def _swap_engine(cfg):
@@ -157,6 +158,17 @@ def _master_files_factory(cfg, oo: str):
 
     o = cfg.zero_optimization.offload_optimizer
     return lambda placed: MasterFiles(placed.swap_dir(o.nvme_path).sub("masters"), _swap_engine(cfg))
+
+
+def _grad_files_factory(cfg, oo: str):
+    """Gradients of units whose masters are in files go to files too (grad_files.py)."""
+    if oo != "nvme":
+        return None
+    from meshspeed.offload.grad_files import GradFiles
+
+    o = cfg.zero_optimization.offload_optimizer
+    return lambda placed, masters: GradFiles(placed.swap_dir(o.nvme_path).sub("grads"),
+                                             _swap_engine(cfg), masters)
 
 
 def _shard_store_factory(cfg, op: str):
@@ -248,6 +260,6 @@ def _swap_store(rule, sub_groups, cfg, placement):
                         overlap_events=a.overlap_events)
     store = SwapStore(rule, sub_groups, swapdir.sub("optimizer"), engine,
                       buffer_count=o.buffer_count, pin=placement.pin, preallocate=not o.fast_init,
-                      masters=placement.master_files)
+                      masters=placement.master_files, grads=placement.grad_files)
     store.owner = swapdir  # the directory lives as long as the store
     return store

@@ -117,6 +117,9 @@ class HostStore:
         """The tensors the update writes: the masters themselves."""
         return [p for p, take in zip(handle.params, stepped) if take]
 
+    def step_grads(self, handle: SubGroup, stepped: list[bool], given: list[torch.Tensor]) -> list[torch.Tensor]:
+        return given  # the masters' .grad
+
     def step_tensors(self, sg: SubGroup, stepped: list[bool]) -> list[torch.Tensor]:
         if not self.rule.counts_steps:
             return []
@@ -195,6 +198,7 @@ class _Handle:
     buffers: dict[str, torch.Tensor]
     reads: list[IoRequest]
     master: torch.Tensor | None = None  # the sub-group's fp32 masters, when they are swapped
+    grad: torch.Tensor | None = None  # their gradients, when those are in files
 
 
 class SwapStore:
@@ -209,7 +213,7 @@ class SwapStore:
     tier = "nvme"
 
     def __init__(self, rule, sub_groups: list[SubGroup], directory: str, engine: SwapEngine, *,
-                 buffer_count: int, pin: bool, preallocate: bool, masters=None):
+                 buffer_count: int, pin: bool, preallocate: bool, masters=None, grads=None):
         if not rule.zero_init:
             raise ConfigError([("offload_optimizer.device \"nvme\" supports Adam and AdamW "
                                "(state created as zeros); use device \"cpu\" for SGD")])
@@ -217,9 +221,12 @@ class SwapStore:
         if masters is not None and not any(masters.holds(p) for sg in sub_groups for p in sg.params):
             masters = None  # (fp32 masters that are the parameters themselves stay put)
         self.masters = masters
-        k = len(rule.state_keys) + (masters is not None)
+        # grads: a GradFiles (grad_files.py) when the gradients of swapped masters are in files
+        self.grads = grads if masters is not None else None
+        k = len(rule.state_keys) + (masters is not None) + (self.grads is not None)
         if buffer_count < k:
-            what = "one per optimizer state" + (" and one for the fp32 masters" if masters else "")
+            what = "one per optimizer state" + (" and one for the fp32 masters" if masters else "") \
+                + (" and one for their gradients" if self.grads is not None else "")
             raise ConfigError([(f"offload_optimizer.buffer_count: {buffer_count} is fewer than the "
                                f"{k} swap buffers one sub-group needs ({what}); "
                                f"use at least {k}, and {2 * k} to overlap swapping with the update")])
@@ -258,23 +265,28 @@ class SwapStore:
     # -- pipeline ---------------------------------------------------------------------------
     def prefetch(self, sg: SubGroup, block: bool = True) -> _Handle | None:
         k = len(self.rule.state_keys)
-        buffers = self.pool.take(k + (self.masters is not None), block)
+        buffers = self.pool.take(k + (self.masters is not None) + (self.grads is not None), block)
         if buffers is None:
             return None
         named = dict(zip(self.rule.state_keys, buffers))
         master = buffers[k] if self.masters is not None else None
+        grad = buffers[k + 1] if self.grads is not None else None
         reads = [] if master is None else self.masters.read_runs(self.runs[sg.index], master)
+        if grad is not None:  # Note [gradients in their NVMe slot] in grad_files.py
+            reads += self.grads.read_runs(self.runs[sg.index], grad)
         for key, buf in named.items():
             region = buf[: sg.nbytes // _F32]
             if sg.index in self.written:
                 reads.append(self.engine.read(region, self.path(sg, key)))
             else:
                 region.zero_()
-        return _Handle(sg, named, reads, master)
+        return _Handle(sg, named, reads, master, grad)
 
     def acquire(self, handle: _Handle, stepped: list[bool]) -> dict[str, list]:
         for r in handle.reads:
             r.wait()
+        if handle.grad is not None and self.grads.coef is not None:
+            handle.grad[: handle.sg.numel].mul_(self.grads.coef)  # the engine's clipping
         sg = handle.sg
         lists = {}
         for key, buf in handle.buffers.items():
@@ -298,6 +310,15 @@ class SwapStore:
     def step_tensors(self, sg: SubGroup, stepped: list[bool]) -> list[torch.Tensor]:
         return [self.steps[p] for p, take in zip(sg.params, stepped) if take]
 
+    def step_grads(self, handle: _Handle, stepped: list[bool], given: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients the update reads: views of the swapped-in gradient buffer where the
+        gradients are in files, `given` (the masters' .grad) otherwise."""
+        if handle.grad is None:
+            return given
+        views = _views(handle.grad, handle.sg)
+        taken = [(p, v) for p, v, take in zip(handle.sg.params, views, stepped) if take]
+        return [v if self.masters.holds(p) else g for (p, v), g in zip(taken, given)]
+
     def release(self, handle: _Handle, stepped=None, lists=None) -> None:
         sg = handle.sg
         writes = [self.engine.write(buf[: sg.nbytes // _F32], self.path(sg, key))
@@ -310,6 +331,8 @@ class SwapStore:
                     self.masters.publish(p, v)  # the 16-bit shard follows the updated master
             writes += self.masters.write_runs(self.runs[sg.index], handle.master)
             buffers.append(handle.master)
+        if handle.grad is not None:
+            buffers.append(handle.grad)  # read only: free once the writes above are done
         self.written.add(sg.index)
         self.pool.give_back_after(writes, buffers)
 

@@ -12,12 +12,14 @@ from meshspeed import comm
 
 def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
                      device: torch.device | None = None, *, tp_group: Any = None,
-                     tp_split: Sequence[bool] | None = None) -> torch.Tensor:
+                     tp_split: Sequence[bool] | None = None,
+                     norms: torch.Tensor | None = None) -> torch.Tensor:
     """L2 norm of all gradients. `groups`: the groups over which ranks hold disjoint slices
     of the gradients (the strategy's `grad_norm_groups()`); the squares are summed over
     each, one scalar all-reduce per group, on `device`: the backend's device, which for
     NCCL is the GPU even when offloaded gradients live on the host. Empty: every rank
-    holds all gradients, no collective.
+    holds all gradients, no collective. `norms`: the gradients' own L2 norms, taken where
+    the gradients were (files: Note [gradients in their NVMe slot]), in place of `grads`.
 
     Note [one norm across tensor-parallel shards]
     With tensor parallelism (`tp_group`), `tp_split[i]` says whether grads[i] belongs to a
@@ -25,8 +27,10 @@ def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
     add up over tp) or to one replicated over it (every tp rank holds the same values:
     counted once). Each rank adds its split squares and 1/tp of its replicated squares,
     and one more scalar all-reduce over tp gives every rank the same total."""
-    if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square()
+    if norms is None and grads:
+        norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    if norms is not None and norms.numel():
+        norms = norms.square()
         if tp_group is not None:
             tp = comm.get_world_size(tp_group)
             weight = torch.tensor([1.0 if s else 1.0 / tp for s in tp_split], dtype=norms.dtype,
@@ -46,8 +50,13 @@ def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
     return sq.sqrt()
 
 
+def clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """The factor that brings the global norm to at most max_norm (torch's formula)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
 def clip_by_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale gradients in place so their global norm is at most max_norm (torch's formula)."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    coef = clip_coef(max_norm, total_norm)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))

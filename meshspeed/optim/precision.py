@@ -44,16 +44,16 @@ def build_scaler(fp16_cfg):
 
 
 def unscale_and_check(grads: list[torch.Tensor], scale: float, groups=(),
-                      device: torch.device | None = None) -> bool:
+                      device: torch.device | None = None, local: bool = False) -> bool:
     """Divide gradients by the loss scale; return True when any rank saw inf/NaN.
 
     With replicated gradients (`groups` empty) every rank sees the same values, so no
     collective is needed; with gradients sharded over `groups` (the strategy's
     `grad_norm_groups()`), one scalar all-reduce (max) per group makes every rank skip
-    together."""
+    together. `local`: inf/NaN already seen in gradients checked elsewhere (files)."""
     if scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / scale)
-    overflow = torch.tensor(float(has_inf_or_nan(grads)), device=device)  # backend's device
+    overflow = torch.tensor(float(local or has_inf_or_nan(grads)), device=device)  # backend's device
     for group in groups:
         comm.all_reduce(overflow, group=group, op="max")
     return bool(overflow.item())

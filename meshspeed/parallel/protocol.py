@@ -43,6 +43,13 @@ class Strategy(Protocol):
         holds all gradients (no collective is needed then)."""
         ...
 
+    def deferred_grads(self) -> Any:
+        """None when `prepare_step`'s masters carry their gradients as `.grad`. Otherwise
+        the gradients are in files and the masters' `.grad` are placeholders: the object
+        has `loss_scale` (set before the boundary backward), `nonfinite`, `norms(masters)`
+        and `clip_(coef)` (Note [gradients in their NVMe slot] in offload/grad_files.py)."""
+        ...
+
     # -- parameters ----------------------------------------------------------------------------
     @property
     def shards_params(self) -> bool: ...

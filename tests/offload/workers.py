@@ -16,6 +16,7 @@ from meshspeed.testing.parity import (
     engine_run,
     full_state_dict,
     make_batches,
+    model_loss,
 )
 
 
@@ -244,3 +245,31 @@ def peak_rss_growth(s: ParitySetup, steps: int, warmup: ParitySetup) -> dict:
         stop.set()
         thread.join()
     return {"growth": peak[0] - start, "numel": numel, "losses": losses}
+
+
+def skipped_run(s: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor], int, float | None]:
+    """engine_run plus the engine's skipped-step count and last gradient norm."""
+    engine = _engine(s)
+    losses = _train(engine, s)
+    out = (losses, full_state_dict(engine), engine.skipped_steps, engine.get_global_grad_norm())
+    close(engine)
+    return out
+
+
+def grads_between_backward_and_step(s: ParitySetup) -> dict:
+    """safe_get_full_grad after the boundary backward (before step), the breakdown after
+    the step, and the gradient files' size on this rank."""
+    from meshspeed.utils import safe_get_full_grad
+
+    engine = _engine(s)
+    batch = make_batches(s)[0][0][engine.mesh.coord("dp") * s.micro:][: s.micro]
+    engine.backward(model_loss(s, engine, batch))
+    grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+    engine.step()
+    placement = engine.strategy.placement
+    files = getattr(placement, "grad_files", None)
+    out = {"grads": grads, "mem": engine.memory_breakdown(),
+           "grad_files": 0 if files is None else files.nvme_bytes(),
+           "owned": sum(sl.end - sl.start for sl in engine.strategy.owned_slices() if sl.requires_grad)}
+    close(engine)
+    return out

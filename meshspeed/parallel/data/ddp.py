@@ -126,6 +126,9 @@ class DataParallel:
     def grad_norm_groups(self) -> list:
         return []  # every rank holds every (reduced) gradient: norms need no collective
 
+    def deferred_grads(self) -> None:
+        return None  # the masters carry their gradients
+
     @property
     def shards_params(self) -> bool:
         return False

@@ -346,6 +346,13 @@ class FlatUnit:
         if self.grads is None:
             self._grad_shard_buf = None
 
+    def grad_written(self) -> None:
+        """The step's reduced gradient went to a file (Note [gradients in their NVMe slot] in
+        meshspeed/offload/grad_files.py): nothing of it stays in memory until the next reduction."""
+        self.grad_shard = None
+        if self.grads is None:
+            self._grad_shard_buf = None
+
     def _zero_gaps(self, staged: torch.Tensor) -> None:
         for off, n, arrived in zip(self.layout.offsets, self.layout.numels, self._arrived):
             if not arrived:

@@ -11,6 +11,8 @@ swap files. The strategy never asks which one it has.
     grad_shard_ready(unit)   a unit's reduced gradient landed during the boundary backward
     before_step(zero)        prepare_step starts (a delayed update is joined and published)
     attach_grads(units)      masters get their gradients
+    deferred_grads()         None, or what stands for gradients kept in files (the engine's
+                             boundary runs on it: Note [gradients in their NVMe slot])
     finish_step(zero)        after the optimizer step: publish masters, drop gradients
     wait()                   before anything reads masters or optimizer state
 """
@@ -39,6 +41,10 @@ class DevicePlacement:
 
     def before_step(self, zero) -> None:
         pass
+
+    def deferred_grads(self):
+        """Gradients kept outside the masters' .grad (files), or None."""
+        return
 
     def attach_grads(self, units) -> None:
         for unit in units:

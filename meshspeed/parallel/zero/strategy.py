@@ -242,6 +242,9 @@ class Zero:
     def grad_norm_groups(self) -> list:
         return [self.groups.shard]
 
+    def deferred_grads(self):
+        return self.placement.deferred_grads()
+
     def finish_step(self) -> None:
         self.placement.finish_step(self)
 
@@ -303,7 +306,10 @@ class Zero:
         unit, i = self.unit_of[id(param)], self.index_in_unit[id(param)]
         s, master = unit.spans[i], self.master_of[id(param)]
         grad = None
-        if unit.grad_shard is not None and param.requires_grad:
+        files = self.placement.deferred_grads()
+        if files is not None and param.requires_grad and files.has_landed(unit):
+            grad = files.read(unit, s.offset, s.numel)  # a copy read from its file
+        elif unit.grad_shard is not None and param.requires_grad:
             grad = unit.grad_shard[s.offset : s.offset + s.numel]
         values, publish = master.detach(), unit.refresh_from_masters
         swap = self.placement.swapped_master(master)
