@@ -44,6 +44,7 @@ from meshspeed.offload.grad_files import grad_placeholder
 from meshspeed.offload.hostmem import host_empty
 from meshspeed.offload.optimizer import BackgroundStep
 from meshspeed.parallel.zero.flat import publish_all
+from meshspeed.runtime.malloc import release_free_heap
 from meshspeed.parallel.zero.placement import DevicePlacement
 
 log = logging.getLogger("meshspeed")
@@ -248,6 +249,8 @@ class OffloadPlacement(DevicePlacement):
             super().finish_step(zero)  # publish the masters, drop the gradients
             if self.grad_files is not None:
                 self.grad_files.reset()
+            if self.master_files is not None:  # Note [returning the freed heap after each offloaded step]
+                release_free_heap()
             return
         self._published = False  # the update (if the engine started one) is still running
         for unit in zero.units:
