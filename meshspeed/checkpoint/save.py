@@ -4,7 +4,8 @@ Steps (collective): finish an asynchronous save in flight; agree on the tag; ran
 creates `<tag>.tmp-<nonce>/`; every rank snapshots its state; then, either now or in a
 background thread (`checkpoint.async_save`), every rank writes its file and marker and rank
 0 publishes (Note [publishing a checkpoint] in writer.py). A failure on any rank raises on
-all ranks and leaves `latest` and earlier checkpoints untouched.
+all ranks and leaves `latest` and earlier checkpoints untouched. State in swap files is
+always written before returning (Note [streaming swapped state] in snapshot.py).
 """
 
 from __future__ import annotations
@@ -107,6 +108,24 @@ def _background_job(tmp: str, save_dir: str, tag: str, snap: RankSnapshot, world
     return job
 
 
+_warned_sync = False
+
+
+def _streams_anywhere(snap: RankSnapshot) -> bool:
+    """Collective: whether some rank's snapshot reads swap files as it writes, so the save
+    must be written now even with `async_save` (Note [streaming swapped state] in
+    snapshot.py); warns once."""
+    global _warned_sync
+    streams = any(comm.all_gather_object(snap.streams))
+    if streams and not _warned_sync and comm.get_rank() == 0:
+        log.warning("checkpoint.async_save: the optimizer state or fp32 masters are in swap "
+                    "files (offload nvme), so checkpoints are written before save_checkpoint "
+                    "returns, streaming one tensor at a time (a background copy would hold "
+                    "all of it in memory)")
+        _warned_sync = True
+    return streams
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_latest: bool = True):
     """Save the full training state under `<save_dir>/<tag>/` (tag: `global_step<N>`).
 
@@ -131,6 +150,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_l
         if comm.get_rank() == 0:
             discard(tmp)
         raise
+    if async_save and _streams_anywhere(snap):
+        async_save = False  # the swap files must be read before training goes on
     if async_save:
         pending.start(engine, tag, _background_job(tmp, save_dir, tag, snap,
                                                    comm.get_world_size(), save_latest))

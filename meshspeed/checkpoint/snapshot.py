@@ -2,7 +2,33 @@
 
 A snapshot is the list of tensors for the rank's file plus the JSON that describes them;
 with `copy=True` (asynchronous saves) every tensor is copied to host memory, so training
-may change the originals while a background thread writes the copies.
+may change the originals while a background thread writes the copies. State in swap files
+is not read here but when it is written (Note [streaming swapped state]).
+
+Note [streaming swapped state]
+With `offload_optimizer.device: "nvme"` the fp32 masters (`OwnedSlice.swap`) and the
+optimizer's moments (`SwappedState`, meshspeed/offload/state.py) live in swap files: 12
+bytes a parameter, ~24 GB for 2B parameters on one rank, which host memory is not meant
+to hold at once. The snapshot holds each of them as a `Deferred` (dtype, shape, and how
+to read it; meshspeed/parallel/slices.py), and the writer reads each right before
+writing it into the rank file and lets it go (writer.py `stream_tensors`): one tensor of
+one parameter's range in memory at a time. State in memory is saved from views of the
+live tensors, no copy, as before.
+
+An asynchronous save cannot do this in its background thread: the next step rewrites
+the swap files (masters and moments, sub-group by sub-group) while the thread would be
+reading them, and the checkpoint would mix two steps. Copying them first is what an
+asynchronous save of state in memory does, but here that copy is the whole swapped
+state: the memory NVMe offload exists not to use. So a snapshot holding Deferred
+entries takes no copies (`capture`), and when any rank's does, `save_checkpoint` writes
+the checkpoint before it returns, streaming, with a warning the first time
+(save.py); `async_save` still applies where the state is in memory. Overlapping such a
+save with training would need the step to wait, sub-group by sub-group, until the saver
+has read what it is about to rewrite; not done.
+
+Loading is per range already (load.py): each master range is read into one buffer and
+written to its swap file, each parameter's moments into fresh tensors that
+`optimizer.state[p] = entry` writes to their files; one parameter at a time.
 """
 
 from __future__ import annotations
@@ -19,17 +45,23 @@ from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import capture_rng, encode_client_state
 from meshspeed.checkpoint.metadata import global_meta
 from meshspeed.checkpoint.paths import rank_file
-from meshspeed.parallel.slices import master_values
+from meshspeed.parallel.slices import Deferred, deferred_master, deferred_state
 from meshspeed.tensor_parallel.spec import shards_by_param
 
 
 @dataclass
 class RankSnapshot:
     rank: int
-    tensors: dict[str, torch.Tensor]  # the rank file's content
+    # the rank file's content; swapped state as Deferred (Note [streaming swapped state])
+    tensors: dict[str, torch.Tensor | Deferred]
     info: dict[str, Any]  # this rank's marker: ranges, optimizer scalars, RNG
     meta: dict[str, Any] | None = None  # rank 0: the rest of meta.json
     client_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0
+
+    @property
+    def streams(self) -> bool:
+        """Whether some of the content is read only when written (swapped state)."""
+        return any(isinstance(t, Deferred) for t in self.tensors.values())
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:
@@ -109,9 +141,18 @@ def _unpadded(flat: torch.Tensor, s) -> torch.Tensor:
                      or [flat[:0]])
 
 
+def _range_values(value: torch.Tensor | Deferred, s) -> torch.Tensor | Deferred:
+    """What is saved of a range tensor: its unpadded elements, flat; a Deferred stays one,
+    reading (and unpadding) only when the writer asks (Note [streaming swapped state])."""
+    if isinstance(value, Deferred):
+        n = tp_ranges.held(tp_ranges.runs(s.tp, s.start, s.end))
+        return Deferred(value.dtype, (n,), lambda: _unpadded(value.read().reshape(-1), s))
+    return _unpadded(value.reshape(-1), s)
+
+
 def _is_range_state(key: str, value: Any, param: torch.Tensor) -> bool:
     """Optimizer state shaped like its parameter (exp_avg, momentum_buffer, ...)."""
-    return (isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape)
+    return (isinstance(value, (torch.Tensor, Deferred)) and tuple(value.shape) == tuple(param.shape)
             and (param.dim() > 0 or key != "step"))
 
 
@@ -127,7 +168,9 @@ def _scalar(key: str, value: Any, name: str) -> dict[str, Any]:
                           "neither parameter-shaped nor a scalar, so it cannot be sharded")
 
 
-def _take(t: torch.Tensor, copy: bool) -> torch.Tensor:
+def _take(t: torch.Tensor | Deferred, copy: bool) -> torch.Tensor | Deferred:
+    if isinstance(t, Deferred):
+        return t
     t = t.detach()
     if copy or t.device.type != "cpu":
         return t.to("cpu", copy=True)
@@ -135,22 +178,26 @@ def _take(t: torch.Tensor, copy: bool) -> torch.Tensor:
 
 
 def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
-    """This rank's part of the checkpoint (rank 0 also builds the global metadata)."""
+    """This rank's part of the checkpoint (rank 0 also builds the global metadata).
+
+    `copy`: copy every tensor to host memory, unless some of the state is in swap files
+    (then nothing is copied and the save must not be asynchronous: Note [streaming
+    swapped state])."""
     rank = comm.get_rank()
     slices = ordered_slices(engine)
     tp_rank, _, _ = tp_layout(engine)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | Deferred] = {}
     ranges: dict[str, Any] = {}
     state = engine.optimizer.state
     for s in slices:
         # replicas over dp: the strategy's writer; replicas over tp: tp rank 0
         if not s.writer or s.end == s.start or (s.tp is None and tp_rank != 0):
             continue
-        tensors[f"master/{s.name}"] = _take(_unpadded(master_values(s).reshape(-1), s), copy)
+        tensors[f"master/{s.name}"] = _range_values(deferred_master(s), s)
         saved, scalars = [], {}
-        for key, value in (state[s.key].items() if s.key in state else ()):
+        for key, value in (deferred_state(state, s.key).items() if s.key in state else ()):
             if _is_range_state(key, value, s.key):
-                tensors[f"optim/{key}/{s.name}"] = _take(_unpadded(value.reshape(-1), s), copy)
+                tensors[f"optim/{key}/{s.name}"] = _range_values(value, s)
                 saved.append(key)
             else:
                 scalars[key] = _scalar(key, value, s.name)
@@ -159,13 +206,16 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
             ranges[s.name]["tp"] = s.tp.to_json()
     rng, rng_tensors = capture_rng()
     tensors.update(rng_tensors)
-    info = {"rank": rank, "file": rank_file(rank), "ranges": ranges, "rng": rng}
-    snap = RankSnapshot(rank, tensors, info)
+    if rank == 0:
+        buffers = persistent_buffers(engine.module)
+        tensors.update({f"buffer/{name}": b for name, b in buffers.items()})
+    snap = RankSnapshot(rank, tensors, {"rank": rank, "file": rank_file(rank), "ranges": ranges,
+                                        "rng": rng})
+    copy = copy and not snap.streams
+    for name, t in tensors.items():
+        tensors[name] = _take(t, copy)
     if rank == 0:
         client_json, client_tensors = encode_client_state(client_state)
-        buffers = persistent_buffers(engine.module)
-        for name, b in buffers.items():
-            tensors[f"buffer/{name}"] = _take(b, copy)
         snap.meta = global_meta(engine, tag, slices, tied_aliases(engine.module), buffers,
                                 client_json, list(client_tensors), tp_size=tp_layout(engine)[1])
         snap.client_tensors = client_tensors

@@ -18,6 +18,8 @@ import os
 import secrets
 import time
 
+import torch
+
 from meshspeed.checkpoint.atomic import publish_dir, read_json, remove_tree, write_json, write_text
 from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
 from meshspeed.checkpoint.metadata import check_coverage, merge_rank
@@ -30,7 +32,8 @@ from meshspeed.checkpoint.paths import (
     rank_marker,
 )
 from meshspeed.checkpoint.snapshot import RankSnapshot
-from meshspeed.checkpoint.tensorfile import write_tensors
+from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter, write_tensors
+from meshspeed.parallel.slices import Deferred
 
 log = logging.getLogger("meshspeed")
 
@@ -53,9 +56,19 @@ def prepare(save_dir: str, tag: str) -> str:
     return tmp
 
 
+def stream_tensors(path: str, tensors: dict[str, torch.Tensor | Deferred]) -> tuple[int, str]:
+    """`write_tensors`, reading each Deferred right before writing it and dropping it after
+    (Note [streaming swapped state] in snapshot.py); returns (file size, sha256)."""
+    specs = [Spec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    with TensorFileWriter(path, specs) as w:
+        for name, t in tensors.items():
+            w.write(name, t.read() if isinstance(t, Deferred) else t)
+    return w.nbytes, w.sha256
+
+
 def write_rank(tmp: str, snap: RankSnapshot) -> None:
     """This rank's tensor file, then its marker (the marker says the file is durable)."""
-    nbytes, sha = write_tensors(os.path.join(tmp, rank_file(snap.rank)), snap.tensors)
+    nbytes, sha = stream_tensors(os.path.join(tmp, rank_file(snap.rank)), snap.tensors)
     if snap.client_tensors:
         cb, csha = write_tensors(os.path.join(tmp, CLIENT_TENSORS), snap.client_tensors)
         snap.meta["files"][CLIENT_TENSORS] = {"bytes": cb, "sha256": csha}

@@ -14,6 +14,7 @@ stays in host memory in both stores.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections import deque
@@ -26,6 +27,7 @@ from torch import nn
 from meshspeed.config.errors import ConfigError
 from meshspeed.offload.aio import IoRequest, SwapEngine
 from meshspeed.offload.hostmem import ALIGN, host_empty, round_up
+from meshspeed.parallel.slices import Deferred
 
 _F32 = 4  # bytes per state element: optimizer state is fp32
 
@@ -208,7 +210,8 @@ class SwapStore:
     A sub-group none of whose parameters has stepped is not read: its buffers are zeroed
     (Adam's initial state). `state` is a mapping that reads a parameter's state from its
     files on access and writes it on assignment (checkpoints use it one parameter at a
-    time; iterating over all values reads everything)."""
+    time, and `state.deferred(p)` to read one tensor at a time; iterating over all values
+    reads everything)."""
 
     tier = "nvme"
 
@@ -343,16 +346,20 @@ class SwapStore:
 
     # -- single-parameter access (checkpoints) ------------------------------------------------
     def read_param(self, p: nn.Parameter) -> dict:
-        sg, i = self.group_of[p], self.index_in[p]
         out: dict = {"step": self.steps[p]}
         for key in self.rule.state_keys:
-            t = torch.empty(p.numel(), dtype=torch.float32)
-            if sg.index in self.written:
-                self.engine.read(t, self.path(sg, key), sg.offsets[i] * _F32).wait()
-            else:
-                t.zero_()
-            out[key] = t.view(p.shape)
+            out[key] = self.read_key(p, key)
         return out
+
+    def read_key(self, p: nn.Parameter, key: str) -> torch.Tensor:
+        """One state tensor of `p` (a copy, shaped like `p`)."""
+        sg, i = self.group_of[p], self.index_in[p]
+        t = torch.empty(p.numel(), dtype=torch.float32)
+        if sg.index in self.written:
+            self.engine.read(t, self.path(sg, key), sg.offsets[i] * _F32).wait()
+        else:
+            t.zero_()
+        return t.view(p.shape)
 
     def write_param(self, p: nn.Parameter, entry: dict) -> None:
         sg, i = self.group_of[p], self.index_in[p]
@@ -412,6 +419,17 @@ class SwappedState(MutableMapping):
         if p not in self._store.steps:
             raise KeyError(p)
         return self._store.read_param(p)
+
+    def deferred(self, p) -> dict:
+        """The entry without reading it: "step" as a tensor, each state tensor as a
+        Deferred that reads it when asked (checkpoints: one tensor in memory at a time)."""
+        if p not in self._store.steps:
+            raise KeyError(p)
+        out: dict = {"step": self._store.steps[p]}
+        for key in self._store.rule.state_keys:
+            out[key] = Deferred(torch.float32, tuple(p.shape),
+                                functools.partial(self._store.read_key, p, key))
+        return out
 
     def __setitem__(self, p, entry) -> None:
         if p not in self._store.group_of:

@@ -34,13 +34,37 @@ class OwnedSlice:
     tp: TPShard | None = None
     # masters in swap files (meshspeed/offload/masters.py): `master` is then a placeholder
     # without memory and this reads (`read() -> flat fp32 copy`) / writes (`write(values)`)
-    # the range; read masters through `master_values(slice)`.
+    # the range; read masters through `master_values(slice)` (`deferred_master` to read later).
     swap: Any = None
 
 
 def master_values(s: OwnedSlice) -> torch.Tensor:
     """The slice's fp32 master values (read from its swap file when it has one)."""
     return s.master if s.swap is None else s.swap.read()
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor that lives in a swap file: its dtype and shape now, its values when
+    `read()` is called (a fresh copy each call). Checkpoints hold these instead of the
+    values so that a rank's swapped state is in memory one tensor at a time."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+
+def deferred_master(s: OwnedSlice) -> torch.Tensor | Deferred:
+    """The slice's fp32 masters: the tensor itself, or a Deferred when they are swapped."""
+    return s.master if s.swap is None else Deferred(torch.float32, (s.end - s.start,), s.swap.read)
+
+
+def deferred_state(state, key: nn.Parameter) -> dict[str, Any]:
+    """`state[key]` of an optimizer, reading nothing from swap files: a state mapping with a
+    `deferred(key)` method (meshspeed/offload/state.py `SwappedState`) returns its swapped
+    tensors as Deferred; any other mapping returns its tensors."""
+    deferred = getattr(state, "deferred", None)
+    return deferred(key) if deferred is not None else state[key]
 
 
 @dataclass(frozen=True)

@@ -273,3 +273,37 @@ def grads_between_backward_and_step(s: ParitySetup) -> dict:
            "owned": sum(sl.end - sl.start for sl in engine.strategy.owned_slices() if sl.requires_grad)}
     close(engine)
     return out
+
+
+def checkpoint_heap_peak(s: ParitySetup, save_dir: str) -> dict:
+    """Train 2 steps, save, train the rest; a fresh engine loads and trains the same rest.
+    Also measured: the most host memory held above the start of the save (sampled at
+    every write of the checkpoint file) and of the load (at every read of it), with what
+    to compare them to: the bytes of swapped state this rank saves (fp32 masters + moments)
+    and of its largest single range."""
+    from meshspeed.checkpoint import tensorfile
+    from tests.offload.heap import HeapPeak
+
+    engine = _engine(s)
+    _train(engine, s, 2)
+    ranges = [4 * (sl.end - sl.start) for sl in engine.strategy.owned_slices()]
+    tensors_per_range = 1 + len(engine.optimizer.store.rule.state_keys)  # master + moments
+    gc.collect()
+    with HeapPeak([(tensorfile, "_write_chunk")]) as save:
+        engine.save_checkpoint(save_dir, tag="t")
+    published = os.path.exists(os.path.join(save_dir, "t", "meta.json"))  # before any wait
+    rest = make_batches(s)[2:]
+    tail = _train_batches(engine, s, rest)
+    final = full_state_dict(engine)
+    close(engine)
+    del engine
+    fresh = _engine(s)
+    gc.collect()
+    with HeapPeak([(tensorfile.TensorFile, "read_into")]) as load:
+        fresh.load_checkpoint(save_dir, tag="t")
+    again = _train_batches(fresh, s, rest)
+    final_again = full_state_dict(fresh)
+    close(fresh)
+    return {"save": save.growth, "load": load.growth, "state": tensors_per_range * sum(ranges),
+            "largest": max(ranges), "published": published, "losses": (tail, again),
+            "params_equal": all(torch.equal(final[k], final_again[k]) for k in final)}
