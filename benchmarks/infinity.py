@@ -88,11 +88,11 @@ class RssSampler:
         return max(self.peaks.values())
 
 
-def gpt_config(params: float, vocab: int, seq: int):
-    """A GPT of about `params` parameters: width by size, depth to fill the rest."""
+def gpt_config(params: float, vocab: int, seq: int, d_model: int | None = None):
+    """A GPT of about `params` parameters: width by size (or `d_model`), depth to fill the rest."""
     from meshspeed.models.gpt import GPTConfig
 
-    d = 512 if params <= 0.12e9 else 768 if params <= 0.4e9 else 1024 if params <= 1e9 else 2048
+    d = d_model or (512 if params <= 0.12e9 else 768 if params <= 0.4e9 else 1024 if params <= 1e9 else 2048)
     per_block = 12 * d * d  # attention 4 d^2 + SwiGLU 3 * d * (8/3 d)
     n_layer = max(1, round((params - 2 * vocab * d) / per_block))
     return GPTConfig(vocab_size=vocab, max_seq_len=seq, n_layer=n_layer, n_head=d // 64, d_model=d)
@@ -134,7 +134,7 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     nvme = tempfile.mkdtemp(prefix="infinity-", dir=args.nvme_path)
-    cfg = gpt_config(args.params, args.vocab, args.seq)
+    cfg = gpt_config(args.params, args.vocab, args.seq, args.d_model)
     gc.collect()
     rss_start = rss_bytes()
     out: dict = {"config": vars(cfg).copy(), "rss_start": rss_start}
@@ -160,7 +160,7 @@ def run(args) -> dict:
             sampler.phase(f"step{i}.optimizer")
             engine.step()
             times.append(time.perf_counter() - t)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             print(f"step {i}: loss {losses[-1]:.4f} {times[-1]:.1f} s rss {rss_bytes() / 2**30:.2f} GiB",
                   file=sys.stderr, flush=True)
         sampler.phase("after")
@@ -180,6 +180,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
     ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--d-model", type=int, default=None, help="width (default: by --params)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)

@@ -48,13 +48,14 @@ class GradFiles:
 
     tier = "nvme"
 
-    def __init__(self, directory: str, engine: SwapEngine, masters):
+    def __init__(self, directory: str, engine: SwapEngine, masters, max_pending_bytes: int = 256 << 20):
         self.dir = directory
         self.engine = engine
         self.masters = masters
         self.loss_scale = 1.0  # the engine sets it before each boundary backward
         self._unit_index: dict[int, int] = {}
         self._pending: list[tuple[IoRequest, torch.Tensor]] = []
+        self.max_pending_bytes = max_pending_bytes
         self._norm: dict[int, torch.Tensor] = {}  # id(master) -> its gradient's L2 norm
         self.nonfinite = False
         self.landed: set[int] = set()  # unit indices whose gradient is in its file this step
@@ -96,8 +97,10 @@ class GradFiles:
         self.nonfinite = self.nonfinite or has_inf_or_nan(views)
         self._pending.append((self.engine.write(grad, self.path(u)), grad))
         self.landed.add(u)
-        # keep the queue short: a finished write frees its unit-sized fp32 copy
-        while self._pending and self._pending[0][0].done():
+        # Note [bounded writes in flight] in masters.py: a finished write frees its fp32
+        # copy; past max_pending_bytes the oldest is waited for
+        while self._pending and (self._pending[0][0].done() or
+                                 sum(t.nbytes for _, t in self._pending) > self.max_pending_bytes):
             self._pending.pop(0)[0].wait()
 
     def wait(self) -> None:

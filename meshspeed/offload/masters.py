@@ -30,6 +30,17 @@ values)` (checkpoints through `OwnedSlice.swap`, `safe_*_fp32_param` through
 `ParamAccess`): one parameter's range at a time, and `write` publishes the 16-bit
 values too, so a later `publish_masters` is consistent without reading every file.
 
+Note [bounded writes in flight]
+A write to a swap file holds the host tensor it reads from until it completes: the 16-bit
+copy of each published range here, the fp32 copy of each landed gradient shard in
+grad_files.py. Waiting only at the end of the step would hold one such copy per range of
+the whole model (2 bytes a parameter for the publish, 4 for the gradients: 4 and 8 GiB at
+2B parameters, measured as the optimizer phase's peak before this bound). Each keeps a
+queue: finished writes are dropped as new ones start, and past `max_pending_bytes`
+(256 MiB by default; the writer's queue depth bounds the requests) the oldest is waited
+for. The disk stays busy with that much queued, and the copies held are bounded by it
+plus the one being made, whatever the model's size.
+
 With `delayed_update` the masters stay in host memory (the running step would write
 shards that the next forward reads).
 """
@@ -56,12 +67,13 @@ class MasterFiles:
 
     tier = "nvme"
 
-    def __init__(self, directory: str, engine: SwapEngine):
+    def __init__(self, directory: str, engine: SwapEngine, max_pending_bytes: int = 256 << 20):
         self.dir = directory
         self.engine = engine
         self.units: list = []
         self._where: dict[int, tuple[int, int, int]] = {}  # id(master) -> unit, param index, offset
         self._pending: list[tuple[IoRequest, torch.Tensor]] = []  # 16-bit writes in flight
+        self.max_pending_bytes = max_pending_bytes
 
     def path(self, u: int) -> str:
         return os.path.join(self.dir, f"unit{u}.master")
@@ -111,6 +123,15 @@ class MasterFiles:
         pending = self.units[u].write_shard_range(off, values.reshape(-1))
         if pending is not None:
             self._pending.append(pending)
+        self._bound_pending()
+
+    def _bound_pending(self) -> None:
+        """Note [bounded writes in flight]: finished writes free their 16-bit copies; past
+        `max_pending_bytes` in flight, wait for the oldest."""
+        while self._pending and (self._pending[0][0].done() or
+                                 sum(b.nbytes for _, b in self._pending) > self.max_pending_bytes):
+            request, _ = self._pending.pop(0)
+            request.wait()
 
     def drain(self) -> None:
         """Wait for the shard writes `publish` started (before the next gather reads them)."""
