@@ -161,6 +161,9 @@ class MasterFiles:
                           self.path(u)).wait()
 
     # -- accounting -------------------------------------------------------------------------------
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [b for _, b in self._pending]
+
     def nvme_bytes(self) -> int:
         return sum(os.path.getsize(self.path(u)) for u in range(len(self.units))
                    if os.path.exists(self.path(u)))

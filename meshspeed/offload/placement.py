@@ -281,11 +281,21 @@ class OffloadPlacement(DevicePlacement):
         pending = [] if self.grad_files is None else self.grad_files.host_tensors()
         return list(self._host_grads.values()) + pending
 
+    def param_staging(self) -> list[torch.Tensor]:
+        """The shard store's staging pool and 16-bit writes in flight (counted as "params")."""
+        out = [] if self.shard_store is None else self.shard_store.host_tensors([])
+        if self.master_files is not None:
+            out += self.master_files.host_tensors()
+        return out
+
     def host_tensors(self, zero) -> list[torch.Tensor]:
         """Tensors that are host tier by placement (see meshspeed/offload/tiers.py)."""
+        out = list(self._host) + (self.master_files.host_tensors() if self.master_files is not None else [])
+        if self.grad_files is not None:
+            out += self.grad_files.host_tensors()
         if self.shard_store is None:
-            return list(self._host)
-        return list(self._host) + self.shard_store.host_tensors([u for u in zero.units if u.shard_params])
+            return out
+        return out + self.shard_store.host_tensors([u for u in zero.units if u.shard_params])
 
     def swap_dir(self, nvme_path: str):
         """This rank's swap directory under `nvme_path` (one per path, shared by owners)."""

@@ -71,6 +71,10 @@ class DevicePlacement:
     def extra_grads(self) -> list[torch.Tensor]:
         return []
 
+    def param_staging(self) -> list[torch.Tensor]:
+        """Host buffers that stage parameter shards to and from files."""
+        return []
+
     def host_tensors(self, zero) -> list[torch.Tensor]:
         return []
 

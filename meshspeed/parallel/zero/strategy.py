@@ -340,7 +340,7 @@ class Zero:
     # -- accounting -----------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
-            "params": [t for u in self.units for t in u.param_tensors()],
+            "params": [t for u in self.units for t in u.param_tensors()] + self.placement.param_staging(),
             "gathered_params": [t for u in self.units for t in u.gathered_tensors()],
             # fp32 training: masters alias the params (or the stage-3 shard), nothing extra
             "master_params": [u.master_buffer for u in self.units if u.master_buffer is not None],
