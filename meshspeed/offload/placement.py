@@ -44,8 +44,8 @@ from meshspeed.offload.grad_files import grad_placeholder
 from meshspeed.offload.hostmem import host_empty
 from meshspeed.offload.optimizer import BackgroundStep
 from meshspeed.parallel.zero.flat import publish_all
-from meshspeed.runtime.malloc import release_free_heap
 from meshspeed.parallel.zero.placement import DevicePlacement
+from meshspeed.runtime.malloc import release_free_heap
 
 log = logging.getLogger("meshspeed")
 

@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-bucket-size", type=_count, default=5e8)
     parser.add_argument("--prefetch-bucket-size", type=_count, default=5e7)
     parser.add_argument("--max-live-parameters", type=_count, default=1e9)
+    parser.add_argument("--sub-group-size", type=_count, default=1e9,
+                        help="zero_optimization.sub_group_size (ZeRO-Infinity buffers)")
+    parser.add_argument("--optimizer-buffer-count", type=int, default=4,
+                        help="offload_optimizer.buffer_count")
+    parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count")
+    parser.add_argument("--param-buffer-size", type=_count, default=1e8, help="offload_param.buffer_size")
     parser.add_argument("--no-overlap-comm", action="store_true",
                         help="one gradient bucket instead of two")
     shape = parser.add_argument_group("activations (a Llama-like decoder)")
@@ -110,6 +116,10 @@ def main(args: argparse.Namespace) -> int:
             "max_live_parameters": int(args.max_live_parameters),
             "tp": args.tp,
             "sequence_parallel": args.sequence_parallel,
+            "sub_group_size": int(args.sub_group_size),
+            "optimizer_buffer_count": args.optimizer_buffer_count,
+            "param_buffer_count": args.param_buffer_count,
+            "param_buffer_size": int(args.param_buffer_size),
         }
         if args.dp is None:
             rows = estimate_table(num_params, stages=stages, **kwargs)

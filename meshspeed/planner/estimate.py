@@ -15,6 +15,7 @@ from meshspeed.planner.activations import (
     block_param_count,
     split_param_count,
 )
+from meshspeed.planner.offload import FP32, nvme_host_buffers
 from meshspeed.planner.report import format_report, format_table
 
 __all__ = [
@@ -71,6 +72,10 @@ def estimate_memory(
     comm_dtype_bytes: float | None = None,
     tp: int = 1,
     sequence_parallel: bool = False,
+    sub_group_size: int = 1_000_000_000,
+    optimizer_buffer_count: int = 4,
+    param_buffer_count: int = 5,
+    param_buffer_size: int = 100_000_000,
 ) -> dict[str, Any]:
     """Bytes per device for training num_params parameters with ZeRO `stage` over `dp` ranks.
 
@@ -99,6 +104,15 @@ def estimate_memory(
     taken as split) and the whole of the rest; ZeRO then shards that over `dp`:
     per rank, model states = K' x ceil((split/tp + replicated) / dp) for a sharded state.
     "num_params_per_tp_rank" is the count ZeRO works on.
+
+    ZeRO-Infinity (stage 3, both offloads "nvme", with a model_shape): every model state is
+    on NVMe, gradients included, and "detail"["offload_buffers"] itemises the bounded
+    buffers that stay in memory (meshspeed/planner/offload.py, Note [what an
+    everything-on-NVMe rank holds]) from `sub_group_size`, `optimizer_buffer_count`
+    (offload_optimizer.buffer_count), `param_buffer_count` / `param_buffer_size`
+    (offload_param's) and the stage-3 live-parameter limits. The swap buffers, the fp32
+    gradient copy and the writes in flight are "host"; gradient staging and gathered
+    parameters are "comm_buffers" on the device.
     """
     del allgather_bucket_size  # Note in the docstring: not live at the activation peak.
     _check(num_params, dp, stage, offload_optimizer, offload_param)
@@ -108,14 +122,19 @@ def estimate_memory(
     split = total_psi if model_shape is None else min(total_psi, split_param_count(model_shape))
     psi = -(-split // tp) + (total_psi - split)  # what one tp rank holds
     shard = -(-psi // dp)  # ceil, in integers
-    per_param = {"params": param_bytes, "grads": grad_bytes, "optimizer_states": optimizer_bytes}
+    # NVMe optimizer offload keeps the gradients in fp32 files (Note [gradients in their NVMe slot])
+    stored_grad_bytes = FP32 if offload_optimizer == "nvme" and stage >= 2 else grad_bytes
+    per_param = {"params": param_bytes, "grads": stored_grad_bytes, "optimizer_states": optimizer_bytes}
     states = {
         name: math.ceil((shard if name in SHARDED[stage] else psi) * nbytes)
         for name, nbytes in per_param.items()
     }
+    infinity = stage == 3 and offload_optimizer == "nvme" and offload_param == "nvme" \
+        and model_shape is not None
     placement = {
         "params": _TIER[offload_param],
-        "grads": "host" if offload_optimizer is not None and stage >= 2 else "device",
+        # NVMe optimizer offload writes the gradients to files (offload/grad_files.py)
+        "grads": _TIER[offload_optimizer] if offload_optimizer is not None and stage >= 2 else "device",
         "optimizer_states": _TIER[offload_optimizer],
     }
 
@@ -140,12 +159,24 @@ def estimate_memory(
         comm["gathered_params"] = _gathered_params(
             psi, param_bytes, max_live_parameters, prefetch_bucket_size, model_shape
         )
+    buffers = None
+    if infinity:  # Note [what an everything-on-NVMe rank holds]
+        if tp != 1:
+            raise ValueError("the ZeRO-Infinity buffer estimate assumes tp 1")
+        buffers = nvme_host_buffers(
+            model_shape, dp=dp, param_bytes=param_bytes, comm_bytes=comm_dtype_bytes or FP32,
+            sub_group_size=sub_group_size, optimizer_buffer_count=optimizer_buffer_count,
+            param_buffer_count=param_buffer_count, param_buffer_size=param_buffer_size,
+            max_live_parameters=max_live_parameters, prefetch_bucket_size=prefetch_bucket_size)
+        comm = {"reduce_buckets": buffers["gradient_staging"], "gathered_params": buffers["gathered_params"]}
     comm["total"] = comm["reduce_buckets"] + comm["gathered_params"]
 
     model_states = sum(states.values())
     tiers = {"device": acts["total"] + comm["total"], "host": 0, "nvme": 0}
     for name, tier in placement.items():
         tiers[tier] += states[name]
+    if buffers is not None:
+        tiers["host"] += buffers["total"] - buffers["gradient_staging"] - buffers["gathered_params"]
     return {
         "num_params": total_psi,
         "num_params_per_tp_rank": psi,
@@ -163,7 +194,8 @@ def estimate_memory(
         "total": model_states + acts["total"] + comm["total"],
         "tiers": tiers,
         "placement": placement,
-        "detail": {"activations": acts, "comm_buffers": comm},
+        "detail": {"activations": acts, "comm_buffers": comm,
+                   **({"offload_buffers": buffers} if buffers is not None else {})},
     }
 
 

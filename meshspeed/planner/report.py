@@ -74,6 +74,12 @@ def format_report(estimate: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> 
     for label, get in _ROWS:
         cells = "".join(f"  {format_gb(get(e)):>{w}}" for e, w in zip(estimates, widths))
         lines.append(f"{label:<{label_w}}{cells}")
+    for e in estimates:
+        buffers = e.get("detail", {}).get("offload_buffers")
+        if buffers:  # ZeRO-Infinity: what stays in memory, itemised
+            items = ", ".join(f"{k.replace('_', ' ')} {format_gb(v)}" for k, v in buffers.items() if k != "total")
+            lines.append(f"in memory with everything on NVMe (stage {e['stage']}): "
+                         f"{format_gb(buffers['total'])} = {items}")
     if all(e["activations"] == 0 for e in estimates):
         lines.append("activations: not estimated (give a model shape, micro batch and sequence "
                      "length)")
