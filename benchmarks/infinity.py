@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -104,6 +105,7 @@ def ds_config(args, nvme: str) -> dict:
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**6,
         "bf16": {"enabled": True},
+        "aio": {"thread_count": args.aio_threads, "queue_depth": 8},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
         "zero_optimization": {
             "stage": 3,
@@ -127,9 +129,48 @@ def swap_bytes(root: str) -> int:
     return total
 
 
-def run(args) -> dict:
+def _build(args, cfg, sampler, nvme: str):
     import meshspeed
     from meshspeed.models.gpt import GPT
+
+    sampler.phase("build")
+    torch.manual_seed(0)
+    with meshspeed.zero.Init(dtype=torch.bfloat16):
+        model = GPT(cfg)
+    sampler.phase("initialize")
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(args, nvme))
+    return model, engine
+
+
+def _batch(args, cfg, rank: int):
+    """This rank's rows of one fixed global batch (the same every step)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro * args.world, args.seq + 1), generator=g)
+    rows = tokens[rank * args.micro : (rank + 1) * args.micro]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _step(engine, x, y, sampler, name: str) -> tuple[float, float, dict]:
+    from meshspeed import comm
+    from meshspeed.offload.aio import io_totals
+
+    before = io_totals()
+    t = time.perf_counter()
+    sampler.phase(f"{name}.fwd_bwd")
+    loss = engine(x, y)
+    engine.backward(loss)
+    sampler.phase(f"{name}.optimizer")
+    engine.step()
+    dt = time.perf_counter() - t
+    after = io_totals()
+    mean = loss.detach().float().clone()
+    comm.all_reduce(mean)  # the global mean loss, the same on every rank
+    return float(mean) / comm.get_world_size(), dt, {k: after[k] - before[k] for k in after}
+
+
+def run(args) -> dict:
+    from meshspeed import comm
     from meshspeed.offload import close
 
     torch.set_num_threads(args.threads)
@@ -139,39 +180,101 @@ def run(args) -> dict:
     rss_start = rss_bytes()
     out: dict = {"config": vars(cfg).copy(), "rss_start": rss_start}
     with RssSampler(args.sample_ms / 1000) as sampler:
-        sampler.phase("build")
-        torch.manual_seed(0)
-        with meshspeed.zero.Init(dtype=torch.bfloat16):
-            model = GPT(cfg)
-        n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
-        out["params"] = n
-        sampler.phase("initialize")
-        engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(args, nvme))
-        g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, cfg.vocab_size, (args.micro, args.seq + 1), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        losses, times = [], []
+        model, engine = _build(args, cfg, sampler, nvme)
+        rank = comm.get_rank()
+        out["params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+        x, y = _batch(args, cfg, rank)
+        losses, times, io = [], [], []
         for i in range(args.steps):
-            t = time.perf_counter()
-            sampler.phase(f"step{i}.fwd_bwd")
-            loss = engine(x, y)
-            engine.backward(loss)
-            sampler.phase(f"step{i}.optimizer")
-            engine.step()
-            times.append(time.perf_counter() - t)
-            losses.append(float(loss.detach()))
-            print(f"step {i}: loss {losses[-1]:.4f} {times[-1]:.1f} s rss {rss_bytes() / 2**30:.2f} GiB",
-                  file=sys.stderr, flush=True)
+            loss, dt, moved = _step(engine, x, y, sampler, f"step{i}")
+            losses.append(loss)
+            times.append(dt)
+            io.append(moved)
+            if rank == 0:
+                print(f"step {i}: loss {loss:.4f} {dt:.1f} s rss {rss_bytes() / 2**30:.2f} GiB "
+                      f"read {moved['read'] / 1e9:.1f} GB written {moved['write'] / 1e9:.1f} GB",
+                      file=sys.stderr, flush=True)
         sampler.phase("after")
         mem = engine.memory_breakdown()
         out["swap_bytes"] = swap_bytes(nvme)
-        close(engine)
-    out.update(losses=losses, step_s=times, hwm=hwm_bytes(), sampled_peak=sampler.peak,
+        if args.checkpoint_dir:
+            out["checkpoint"] = _save_and_resume(args, cfg, engine, x, y, sampler, nvme)
+        else:
+            close(engine)
+    out.update(losses=losses, step_s=times, io_bytes=io, hwm=hwm_bytes(), sampled_peak=sampler.peak,
                phase_peaks=sampler.peaks, memory_breakdown=mem)
-    out["host_bytes_per_param"] = (out["hwm"] - rss_start) / n
-    os.rmdir(nvme) if os.path.isdir(nvme) and not os.listdir(nvme) else None
+    out["host_bytes_per_param"] = (out["hwm"] - rss_start) / out["params"]
+    shutil.rmtree(nvme, ignore_errors=True)
     return out
+
+
+def _save_and_resume(args, cfg, engine, x, y, sampler, nvme: str) -> dict:
+    """Save after the last step, take one more step, then a fresh engine (its NVMe state
+    rebuilt from the checkpoint) loads it and takes the same step: the losses must agree."""
+    from meshspeed.offload import close
+
+    t = time.perf_counter()
+    sampler.phase("save")
+    engine.save_checkpoint(args.checkpoint_dir, tag="infinity")
+    save_s = time.perf_counter() - t
+    ckpt_bytes = swap_bytes(os.path.join(args.checkpoint_dir, "infinity"))
+    after_save, _, _ = _step(engine, x, y, sampler, "continued")
+    close(engine)
+    del engine
+    gc.collect()
+    _, fresh = _build(args, cfg, sampler, tempfile.mkdtemp(prefix="infinity-resumed-", dir=args.nvme_path))
+    t = time.perf_counter()
+    sampler.phase("load")
+    fresh.load_checkpoint(args.checkpoint_dir, tag="infinity")
+    load_s = time.perf_counter() - t
+    resumed, _, _ = _step(fresh, x, y, sampler, "resumed")
+    close(fresh)
+    return {"save_s": save_s, "load_s": load_s, "bytes": ckpt_bytes,
+            "loss_continued": after_save, "loss_resumed": resumed, "equal": after_save == resumed}
+
+
+def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """Best bf16 matmul FLOP/s of this process's threads (the compute bound's denominator)."""
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+def disk_bandwidth(path: str, args) -> tuple[float, float]:
+    """(write, read) bytes/s of the swap engine on `path` with this run's aio settings:
+    what `meshspeed aio-bench --path PATH --thread-count T` reports for its best request size."""
+    from meshspeed.offload.aio import SwapEngine
+    from meshspeed.offload.aio_bench import _engine
+    from meshspeed.offload.hostmem import ALIGN, host_empty
+
+    work = tempfile.mkdtemp(prefix="infinity-bw-", dir=path)
+    try:
+        buf = host_empty((1 << 30) // 4, align=ALIGN).fill_(1.0)
+        engine = SwapEngine(thread_count=args.aio_threads, queue_depth=8)
+        w, r = max(_engine(engine, buf, work, 64) for _ in range(2))
+        engine.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return w * 1e9, r * 1e9
+
+
+def _worker(rank: int, args, results: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world),
+                      LOCAL_WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(args.port))
+    import meshspeed
+
+    meshspeed.init_distributed(dist_backend="gloo")
+    out = run(args)
+    with open(os.path.join(results, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f, default=str)
 
 
 def main() -> None:
@@ -192,19 +295,57 @@ def main() -> None:
     ap.add_argument("--max-live", type=int, default=1_000_000_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sample-ms", type=float, default=20)
+    ap.add_argument("--world", type=int, default=1, help="processes (gloo), each one data-parallel rank")
+    ap.add_argument("--port", type=int, default=29533)
+    ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count")
+    ap.add_argument("--checkpoint-dir", default=None, help="save after the steps, resume in a fresh engine")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown summary line")
     args = ap.parse_args()
-    out = run(args)
+    flops = matmul_peak_flops(args.threads)
+    bw_write, bw_read = disk_bandwidth(args.nvme_path, args)
+    results = tempfile.mkdtemp(prefix="infinity-results-")
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_worker, args=(args, results), nprocs=args.world, start_method="spawn")
+    ranks = []
+    for r in range(args.world):
+        with open(os.path.join(results, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    shutil.rmtree(results, ignore_errors=True)
+    out = ranks[0]
     gib = 2**30
-    print(f"params {out['params'] / 1e6:.1f}M  hwm {out['hwm'] / gib:.2f} GiB  sampled {out['sampled_peak'] / gib:.2f} GiB"
-          f"  start {out['rss_start'] / gib:.2f} GiB  host B/param {out['host_bytes_per_param']:.1f}"
-          f"  swap {out['swap_bytes'] / gib:.2f} GiB", file=sys.stderr)
-    for k, v in out["phase_peaks"].items():
-        print(f"  {k:18s} {v / gib:.2f} GiB", file=sys.stderr)
-    mem = out["memory_breakdown"]
-    print("  breakdown " + ", ".join(f"{k} {v / gib:.2f}" for k, v in mem.items() if isinstance(v, int)),
-          file=sys.stderr)
-    print("  tiers " + ", ".join(f"{k} {v / gib:.2f}" for k, v in mem["tiers"].items()), file=sys.stderr)
-    print(json.dumps(out, default=str))
+    tokens = args.micro * args.seq * args.world
+    # the disk is shared by every rank: the step's I/O bound is all ranks' bytes over one
+    # disk's bandwidth; the compute bound is one rank's share of 6 * params * tokens over
+    # the matmul peak of its threads
+    reads = sum(r["io_bytes"][-1]["read"] for r in ranks)
+    writes = sum(r["io_bytes"][-1]["write"] for r in ranks)
+    io_bound = reads / bw_read + writes / bw_write
+    compute_bound = 6 * out["params"] * tokens / args.world / flops
+    step = sorted(out["step_s"][1:] or out["step_s"])[len(out["step_s"][1:] or out["step_s"]) // 2]
+    summary = {
+        "params": out["params"], "world": args.world, "losses": out["losses"],
+        "peak_rss_per_rank_gib": [round(r["hwm"] / gib, 2) for r in ranks],
+        "swap_gib_per_rank": [round(r["swap_bytes"] / gib, 2) for r in ranks],
+        "step_s": out["step_s"], "median_step_s": step,
+        "io_gb_per_step": {"read": reads / 1e9, "write": writes / 1e9},
+        "disk_gbs": {"read": bw_read / 1e9, "write": bw_write / 1e9},
+        "matmul_tflops": flops / 1e12, "io_bound_s": io_bound, "compute_bound_s": compute_bound,
+        "step_over_bound": step / max(io_bound, compute_bound),
+        "checkpoint": out.get("checkpoint"), "phase_peaks_gib": {k: round(v / gib, 2) for k, v in out["phase_peaks"].items()},
+        "memory_breakdown_gib": {k: round(v / gib, 2) for k, v in out["memory_breakdown"].items() if isinstance(v, int)},
+        "tiers_gib": {k: round(v / gib, 2) for k, v in out["memory_breakdown"]["tiers"].items()},
+    }
+    for k, v in summary.items():
+        print(f"  {k}: {v}", file=sys.stderr)
+    if args.markdown:
+        c = summary["checkpoint"]
+        print(f"| {out['params'] / 1e9:.2f}B | {args.world} | {max(summary['peak_rss_per_rank_gib']):.2f} | "
+              f"{' -> '.join(f'{x:.3f}' for x in out['losses'])} | {step:.1f} | "
+              f"{io_bound:.1f} ({(reads + writes) / 1e9:.0f} GB) | {compute_bound:.1f} | "
+              f"{summary['step_over_bound']:.2f} | "
+              f"{'saved, resumed: equal' if c and c['equal'] else ('not equal' if c else 'not run')} |")
+    print(json.dumps(summary, default=str))
 
 
 if __name__ == "__main__":

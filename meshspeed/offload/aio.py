@@ -31,6 +31,15 @@ import torch
 from meshspeed.offload.hostmem import ALIGN
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_TOTALS = {"read": 0, "write": 0}  # bytes submitted by every engine of this process
+_TOTALS_LOCK = threading.Lock()
+
+
+def io_totals() -> dict[str, int]:
+    """Bytes read and written by swap engines in this process so far (benchmarks take
+    differences around a step: the step's I/O volume)."""
+    with _TOTALS_LOCK:
+        return dict(_TOTALS)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -91,6 +100,8 @@ class SwapEngine:
         if self._closed:
             raise RuntimeError("swap engine is closed")
         view = byte_view(t)
+        with _TOTALS_LOCK:
+            _TOTALS[kind] += len(view)
         if not self.overlap_events and self._last is not None:
             self._last.wait()
         self._slots.acquire()  # queue_depth: wait for a free slot
