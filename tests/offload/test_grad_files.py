@@ -11,6 +11,7 @@ from meshspeed.testing import run_distributed
 from tests.offload.workers import (
     exact_adamw,
     grads_between_backward_and_step,
+    io_per_step,
     offload,
     setup,
     skipped_run,
@@ -62,3 +63,32 @@ def test_no_gradient_held_in_memory_and_safe_get_full_grad_reads_the_file(stage,
 
 def _grads_both(setups):
     return [grads_between_backward_and_step(s) for s in setups]
+
+
+def _io(setups):
+    return [io_per_step(s) for s in setups]
+
+
+def test_each_rank_moves_only_its_own_slices(tmp_path):
+    """Bandwidth-centric partitioning (ZeRO-Infinity, Section 6.1): at dp 2 each rank reads
+    and writes its own 1/2 of every state, so a step moves half the bytes per rank that
+    it moves at dp 1 (and the two ranks together the same total), and the bytes are the
+    per-parameter sum of what a step touches: the 16-bit shard read for forward and for
+    backward and written once, and fp32 masters, two moments and the gradient each read
+    and written (the gradient written at the boundary, read by the step)."""
+    kw = {"precision": "bf16", "steps": 2, "extra_config": exact_adamw()}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = run_distributed(_io, world_size=1, args=([setup(3, _everything_on_nvme(tmp_path / "a"), world=1, **kw)],),
+                          timeout=300)[0][0]
+    two = run_distributed(_io, world_size=2, args=([setup(3, _everything_on_nvme(tmp_path / "b"), world=2, **kw)],),
+                          timeout=300)
+    two = [r[0] for r in two]
+    per_param_read, per_param_write = 2 * 2 + 4 * 4, 2 + 4 * 4
+    for r in (one, *two):
+        # files are written in 4 KiB-aligned requests, so allow a little over the exact sum
+        assert per_param_read * r["owned"] <= r["read"] <= 1.1 * per_param_read * r["owned"] + (1 << 20), r
+        assert per_param_write * r["owned"] <= r["write"] <= 1.1 * per_param_write * r["owned"] + (1 << 20), r
+    assert abs(sum(r["owned"] for r in two) - one["owned"]) <= 2 * 64  # shards padded to equal size
+    for r in two:
+        assert r["owned"] * 2 <= one["owned"] + 2 * 64

@@ -307,3 +307,19 @@ def checkpoint_heap_peak(s: ParitySetup, save_dir: str) -> dict:
     return {"save": save.growth, "load": load.growth, "state": tensors_per_range * sum(ranges),
             "largest": max(ranges), "published": published, "losses": (tail, again),
             "params_equal": all(torch.equal(final[k], final_again[k]) for k in final)}
+
+
+def io_per_step(s: ParitySetup) -> dict:
+    """Bytes this rank's swap engines read and wrote in its last step, and what it owns."""
+    from meshspeed.offload.aio import io_totals
+
+    engine = _engine(s)
+    batches = make_batches(s)
+    _train_batches(engine, s, batches[:-1])
+    before = io_totals()
+    _train_batches(engine, s, batches[-1:])
+    after = io_totals()
+    owned = sum(sl.end - sl.start for sl in engine.strategy.owned_slices())
+    close(engine)
+    return {"read": after["read"] - before["read"], "write": after["write"] - before["write"],
+            "owned": owned}
