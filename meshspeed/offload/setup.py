@@ -45,8 +45,8 @@ def check_offload(cfg, client_optimizer=None) -> None:
     z = cfg.zero_optimization
     if z.offload_optimizer is None and z.offload_param is None:
         return  # the same on every rank: either all ranks agree below or none does
-    if z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3:
-        if not comm.is_initialized() or comm.get_rank() == 0:
+    if (z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3
+            and (not comm.is_initialized() or comm.get_rank() == 0)):
             log.warning("%s (device %r) has no effect at ZeRO stage %d: parameters are whole on "
                         "every rank below stage 3; training goes on without parameter offload "
                         "(set zero_optimization.stage to 3 to offload them)", _OP,
@@ -201,16 +201,39 @@ def check_host_memory(strategy, cfg) -> None:
     if tier == "none":
         return
     owned = sum(u.shard_numel for u in strategy.units)
-    # grads, and in memory unless on NVMe: masters and Adam's state
-    need = owned * (4 + (12 if tier == "cpu" else 0))
+    if tier == "cpu":  # fp32 grads, masters and Adam's state, all in memory
+        need = owned * 16
+    else:  # on NVMe: the bounded buffers (Note [what an everything-on-NVMe rank holds])
+        need = _nvme_buffers(strategy, cfg)
     free = available_host_bytes()
     problems = []
     if free is not None and need * local_world_size() > free:
+        fix = ("use device \"nvme\", more hosts, or a larger ZeRO degree" if tier == "cpu" else
+               "lower zero_optimization.sub_group_size, offload_optimizer.buffer_count or "
+               "offload_param.buffer_count / buffer_size")
         problems.append(f"{_OO}: the {local_world_size()} rank(s) on this host need about "
                         f"{need * local_world_size() / 2**30:.1f} GiB of host memory for "
-                        f"offloaded state, {free / 2**30:.1f} GiB is available; use device "
-                        "\"nvme\", more hosts, or a larger ZeRO degree")
+                        f"offloaded state{' buffers' if tier == 'nvme' else ''}, "
+                        f"{free / 2**30:.1f} GiB is available; {fix}")
     _agree(problems)
+
+
+def _nvme_buffers(strategy, cfg) -> int:
+    """Host bytes of one rank with the optimizer on NVMe: the optimizer's swap pool, the
+    parameter staging pool, the largest unit's gradient on its way to its file and the
+    writes in flight (meshspeed/planner/offload.py names the same terms)."""
+    from meshspeed.planner.offload import WRITES_IN_FLIGHT
+
+    z = cfg.zero_optimization
+    largest_slice = max((s.numel for u in strategy.units for s in u.spans), default=0)
+    owned = sum(u.shard_numel for u in strategy.units)
+    sub_group = max(min(z.sub_group_size, owned), largest_slice)
+    need = z.offload_optimizer.buffer_count * sub_group * 4 + WRITES_IN_FLIGHT
+    need += 6 * max((u.shard_numel for u in strategy.units), default=0)  # 16-bit shard + fp32 copy
+    p = z.offload_param
+    if p is not None and p.device == "nvme" and z.stage == 3:
+        need += p.buffer_count * p.buffer_size * 2
+    return need
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, cfg, placement: OffloadPlacement | None):
