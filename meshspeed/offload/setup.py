@@ -47,10 +47,10 @@ def check_offload(cfg, client_optimizer=None) -> None:
         return  # the same on every rank: either all ranks agree below or none does
     if (z.offload_param is not None and z.offload_param.device != "none" and z.stage != 3
             and (not comm.is_initialized() or comm.get_rank() == 0)):
-            log.warning("%s (device %r) has no effect at ZeRO stage %d: parameters are whole on "
-                        "every rank below stage 3; training goes on without parameter offload "
-                        "(set zero_optimization.stage to 3 to offload them)", _OP,
-                        z.offload_param.device, z.stage)
+        log.warning("%s (device %r) has no effect at ZeRO stage %d: parameters are whole on "
+                    "every rank below stage 3; training goes on without parameter offload "
+                    "(set zero_optimization.stage to 3 to offload them)", _OP,
+                    z.offload_param.device, z.stage)
     _agree(_problems(cfg, client_optimizer))
 
 
