@@ -222,13 +222,15 @@ def _save_and_resume(args, cfg, engine, x, y, sampler, nvme: str) -> dict:
     close(engine)
     del engine
     gc.collect()
-    _, fresh = _build(args, cfg, sampler, tempfile.mkdtemp(prefix="infinity-resumed-", dir=args.nvme_path))
+    resumed_dir = tempfile.mkdtemp(prefix="infinity-resumed-", dir=args.nvme_path)
+    _, fresh = _build(args, cfg, sampler, resumed_dir)
     t = time.perf_counter()
     sampler.phase("load")
     fresh.load_checkpoint(args.checkpoint_dir, tag="infinity")
     load_s = time.perf_counter() - t
     resumed, _, _ = _step(fresh, x, y, sampler, "resumed")
     close(fresh)
+    shutil.rmtree(resumed_dir, ignore_errors=True)
     return {"save_s": save_s, "load_s": load_s, "bytes": ckpt_bytes,
             "loss_continued": after_save, "loss_resumed": resumed, "equal": after_save == resumed}
 
