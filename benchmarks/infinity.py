@@ -60,6 +60,8 @@ class RssSampler:
         self.period_s = period_s
         self.peaks: dict[str, int] = {}
         self._phase = "start"
+        self.seconds: dict[str, float] = {}  # wall time spent in each phase
+        self._since = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -73,7 +75,9 @@ class RssSampler:
 
     def phase(self, name: str) -> None:
         self._note()
-        self._phase = name
+        now = time.perf_counter()
+        self.seconds[self._phase] = self.seconds.get(self._phase, 0.0) + now - self._since
+        self._phase, self._since = name, now
         self._note()
 
     def _note(self) -> None:
@@ -129,15 +133,15 @@ def swap_bytes(root: str) -> int:
     return total
 
 
-def _build(args, cfg, sampler, nvme: str):
+def _build(args, cfg, sampler, nvme: str, phase: str = ""):
     import meshspeed
     from meshspeed.models.gpt import GPT
 
-    sampler.phase("build")
+    sampler.phase(f"{phase}build")
     torch.manual_seed(0)
     with meshspeed.zero.Init(dtype=torch.bfloat16):
         model = GPT(cfg)
-    sampler.phase("initialize")
+    sampler.phase(f"{phase}initialize")
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(args, nvme))
     return model, engine
@@ -198,41 +202,50 @@ def run(args) -> dict:
         mem = engine.memory_breakdown()
         out["swap_bytes"] = swap_bytes(nvme)
         if args.checkpoint_dir:
-            out["checkpoint"] = _save_and_resume(args, cfg, engine, x, y, sampler, nvme)
-        else:
-            close(engine)
+            saved = _save_and_continue(args, engine, x, y, sampler)
+        close(engine)
+        del model, engine  # gone before a resumed engine is built
+        gc.collect()
+        if args.checkpoint_dir:
+            out["checkpoint"] = {**saved, **_resume(args, cfg, x, y, sampler)}
+            out["checkpoint"]["equal"] = out["checkpoint"]["loss_continued"] == out["checkpoint"]["loss_resumed"]
     out.update(losses=losses, step_s=times, io_bytes=io, hwm=hwm_bytes(), sampled_peak=sampler.peak,
-               phase_peaks=sampler.peaks, memory_breakdown=mem)
+               phase_peaks=sampler.peaks, phase_seconds=sampler.seconds, memory_breakdown=mem)
+    # the training peak: the largest phase other than build/initialize (zero.Init holds the
+    # 16-bit shards until initialize has moved them to their files)
+    out["train_peak"] = max(v for k, v in sampler.peaks.items() if "build" not in k and "initialize" not in k)
     out["host_bytes_per_param"] = (out["hwm"] - rss_start) / out["params"]
     shutil.rmtree(nvme, ignore_errors=True)
     return out
 
 
-def _save_and_resume(args, cfg, engine, x, y, sampler, nvme: str) -> dict:
-    """Save after the last step, take one more step, then a fresh engine (its NVMe state
-    rebuilt from the checkpoint) loads it and takes the same step: the losses must agree."""
-    from meshspeed.offload import close
-
+def _save_and_continue(args, engine, x, y, sampler) -> dict:
+    """Save after the last step, then take one more step (what the resumed run must match)."""
     t = time.perf_counter()
     sampler.phase("save")
     engine.save_checkpoint(args.checkpoint_dir, tag="infinity")
     save_s = time.perf_counter() - t
     ckpt_bytes = swap_bytes(os.path.join(args.checkpoint_dir, "infinity"))
-    after_save, _, _ = _step(engine, x, y, sampler, "continued")
-    close(engine)
-    del engine
-    gc.collect()
+    continued, _, _ = _step(engine, x, y, sampler, "continued")
+    return {"save_s": save_s, "bytes": ckpt_bytes, "loss_continued": continued}
+
+
+def _resume(args, cfg, x, y, sampler) -> dict:
+    """A fresh engine (its NVMe state rebuilt from the checkpoint) loads it and takes the
+    step the saved run took after saving."""
+    from meshspeed.offload import close
+
     resumed_dir = tempfile.mkdtemp(prefix="infinity-resumed-", dir=args.nvme_path)
-    _, fresh = _build(args, cfg, sampler, resumed_dir)
+    sampler.phase("resume.build")
+    _, fresh = _build(args, cfg, sampler, resumed_dir, phase="resume.")
     t = time.perf_counter()
-    sampler.phase("load")
+    sampler.phase("resume.load")
     fresh.load_checkpoint(args.checkpoint_dir, tag="infinity")
     load_s = time.perf_counter() - t
     resumed, _, _ = _step(fresh, x, y, sampler, "resumed")
     close(fresh)
     shutil.rmtree(resumed_dir, ignore_errors=True)
-    return {"save_s": save_s, "load_s": load_s, "bytes": ckpt_bytes,
-            "loss_continued": after_save, "loss_resumed": resumed, "equal": after_save == resumed}
+    return {"load_s": load_s, "loss_resumed": resumed}
 
 
 def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
@@ -328,6 +341,8 @@ def main() -> None:
     summary = {
         "params": out["params"], "world": args.world, "losses": out["losses"],
         "peak_rss_per_rank_gib": [round(r["hwm"] / gib, 2) for r in ranks],
+        "train_peak_rss_per_rank_gib": [round(r["train_peak"] / gib, 2) for r in ranks],
+        "phase_seconds": {k: round(v, 1) for k, v in out["phase_seconds"].items()},
         "swap_gib_per_rank": [round(r["swap_bytes"] / gib, 2) for r in ranks],
         "step_s": out["step_s"], "median_step_s": step,
         "io_gb_per_step": {"read": reads / 1e9, "write": writes / 1e9},
