@@ -333,6 +333,7 @@ def main() -> None:
     # the disk is shared by every rank: the step's I/O bound is all ranks' bytes over one
     # disk's bandwidth; the compute bound is one rank's share of 6 * params * tokens over
     # the matmul peak of its threads
+    busy = [r["io_bytes"][-1]["busy_s"] / r["step_s"][-1] for r in ranks]  # disk had work
     reads = sum(r["io_bytes"][-1]["read"] for r in ranks)
     writes = sum(r["io_bytes"][-1]["write"] for r in ranks)
     io_bound = reads / bw_read + writes / bw_write
@@ -346,6 +347,7 @@ def main() -> None:
         "swap_gib_per_rank": [round(r["swap_bytes"] / gib, 2) for r in ranks],
         "step_s": out["step_s"], "median_step_s": step,
         "io_gb_per_step": {"read": reads / 1e9, "write": writes / 1e9},
+        "disk_busy_fraction_per_rank": [round(b, 2) for b in busy],
         "disk_gbs": {"read": bw_read / 1e9, "write": bw_write / 1e9},
         "matmul_tflops": flops / 1e12, "io_bound_s": io_bound, "compute_bound_s": compute_bound,
         "step_over_bound": step / max(io_bound, compute_bound),

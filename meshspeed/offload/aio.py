@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -31,15 +32,36 @@ import torch
 from meshspeed.offload.hostmem import ALIGN
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_TOTALS = {"read": 0, "write": 0}  # bytes submitted by every engine of this process
+# bytes submitted by every engine of this process, and the seconds during which at least
+# one request was in flight (the disk was kept busy by this process)
+_TOTALS = {"read": 0, "write": 0, "busy_s": 0.0}
 _TOTALS_LOCK = threading.Lock()
+_IN_FLIGHT = [0, 0.0]  # requests in flight, time the count last left 0
 
 
-def io_totals() -> dict[str, int]:
-    """Bytes read and written by swap engines in this process so far (benchmarks take
-    differences around a step: the step's I/O volume)."""
+def io_totals() -> dict[str, float]:
+    """Bytes read and written by swap engines in this process so far, and the seconds with
+    a request in flight (benchmarks take differences around a step: its I/O volume, and
+    busy / step time says how much of the step the disk had work)."""
     with _TOTALS_LOCK:
-        return dict(_TOTALS)
+        out = dict(_TOTALS)
+        if _IN_FLIGHT[0]:
+            out["busy_s"] += time.perf_counter() - _IN_FLIGHT[1]
+        return out
+
+
+def _started() -> None:
+    with _TOTALS_LOCK:
+        if _IN_FLIGHT[0] == 0:
+            _IN_FLIGHT[1] = time.perf_counter()
+        _IN_FLIGHT[0] += 1
+
+
+def _finished() -> None:
+    with _TOTALS_LOCK:
+        _IN_FLIGHT[0] -= 1
+        if _IN_FLIGHT[0] == 0:
+            _TOTALS["busy_s"] += time.perf_counter() - _IN_FLIGHT[1]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -110,9 +132,11 @@ class SwapEngine:
             direct = self.direct and _aligned(t.data_ptr(), offset, len(view))
             if kind == "write":
                 _ensure_file(path)
+            _started()
             futures = [self._pool.submit(_transfer, kind, path, view[a:b], offset + a,
                                          self.block_size, direct) for a, b in parts]
         except BaseException:
+            _finished()
             self._slots.release()
             raise
         remaining = [len(futures)]
@@ -123,6 +147,7 @@ class SwapEngine:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
+                _finished()
                 self._slots.release()
 
         for f in futures:
