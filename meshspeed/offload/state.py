@@ -335,7 +335,7 @@ class SwapStore:
             writes += self.masters.write_runs(self.runs[sg.index], handle.master)
             buffers.append(handle.master)
         if handle.grad is not None:
-            buffers.append(handle.grad)  # read only: free once the writes above are done
+            self.pool.give_back([handle.grad])  # read only: free for the next prefetch now
         self.written.add(sg.index)
         self.pool.give_back_after(writes, buffers)
 
