@@ -1,5 +1,5 @@
 """Workers of test_infinity.py: a GPT built under `meshspeed.zero.Init` in bf16, trained at
-stage 3 with (or without) everything on NVMe, one rank.
+stage 3 with (or without) everything on NVMe.
 
 Run on the harness's ranks (`run_distributed`) or, where the test needs a process of its
 own (a clean RSS high-water mark, a process to SIGKILL), as
@@ -117,10 +117,13 @@ class RssPeak:
         self.hwm_growth = _hwm() - self.start if self.hwm_reset else None
 
 
-def capped_run(s: ParitySetup, warmup: ParitySetup, pending_bytes: int) -> dict:
+def capped_run(s: ParitySetup, warmup: ParitySetup, pending_bytes: int,
+               reference: ParitySetup) -> dict:
     """Train `s` with the peak RSS measured from before the model is built to after the
     last step; `warmup` (a tiny model, same config) runs first so that code and buffers
-    set up on first use (imports, I/O threads, allocator arenas) are not counted."""
+    set up on first use (imports, I/O threads, allocator arenas) are not counted. Then,
+    outside the measurement, `reference` (the same run without offload) runs in this
+    process too, and the parameters that differ are returned (max abs difference)."""
     from meshspeed.offload import close
 
     engine = build_engine(warmup)
@@ -132,14 +135,16 @@ def capped_run(s: ParitySetup, warmup: ParitySetup, pending_bytes: int) -> dict:
         engine = build_engine(s)
         bound_pending_writes(engine, pending_bytes)
         losses = train_steps(engine, s)
-    strategy = engine.strategy
     out = {"growth": peak.growth, "hwm_growth": peak.hwm_growth, "losses": losses,
-           "numel": sum(u.layout.numel for u in strategy.units),
-           "largest_unit": max(u.layout.numel for u in strategy.units),
-           "root_unit": max(u.layout.numel for u in strategy.units if u.name == "root"),
-           "largest_param": max(p.ds_numel for p in engine.module.parameters()),
-           "mem": engine.memory_breakdown(), "params": full_state_dict(engine)}
+           "numel": sum(u.layout.numel for u in engine.strategy.units)}
+    params = full_state_dict(engine)
     close(engine)
+    del engine
+    ref = run(reference)
+    out["reference_losses"] = ref["losses"]
+    out["differ"] = {name: (params[name] - value).abs().max().item()
+                     for name, value in ref["params"].items() if not torch.equal(params[name], value)}
+    out["missing"] = sorted(ref["params"].keys() ^ params.keys())
     return out
 
 
