@@ -100,7 +100,12 @@ class OffloadPlacement(DevicePlacement):
             unit.use_store(self.shard_store)
 
     def bind(self, zero) -> None:
-        """Every unit is built and placed (`unit_built`); nothing is left to move."""
+        """Every unit is built and placed (`unit_built`); nothing is left to move. What
+        building them freed (zero.Init's shards, each unit's masters and shard before they
+        went to their files) goes back to the OS now rather than after the first step
+        (Note [returning the freed heap after each offloaded step])."""
+        if self.master_files is not None:
+            release_free_heap()
 
     # -- placement ----------------------------------------------------------------------------
     # Note [units placed as they are built]
