@@ -330,14 +330,14 @@ def main() -> None:
     out = ranks[0]
     gib = 2**30
     tokens = args.micro * args.seq * args.world
-    # the disk is shared by every rank: the step's I/O bound is all ranks' bytes over one
-    # disk's bandwidth; the compute bound is one rank's share of 6 * params * tokens over
-    # the matmul peak of its threads
+    # the disk and the cores are shared by every rank: the step's I/O bound is all ranks'
+    # bytes over one disk's bandwidth, its compute bound 6 * params * all ranks' tokens over
+    # the machine's bf16 matmul peak (measured with --threads threads: every core here)
     busy = [r["io_bytes"][-1]["busy_s"] / r["step_s"][-1] for r in ranks]  # disk had work
     reads = sum(r["io_bytes"][-1]["read"] for r in ranks)
     writes = sum(r["io_bytes"][-1]["write"] for r in ranks)
     io_bound = reads / bw_read + writes / bw_write
-    compute_bound = 6 * out["params"] * tokens / args.world / flops
+    compute_bound = 6 * out["params"] * tokens / flops
     step = sorted(out["step_s"][1:] or out["step_s"])[len(out["step_s"][1:] or out["step_s"]) // 2]
     summary = {
         "params": out["params"], "world": args.world, "losses": out["losses"],
