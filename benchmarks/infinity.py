@@ -292,13 +292,12 @@ def _worker(rank: int, args, results: str) -> None:
         json.dump(out, f, default=str)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model, batch and ZeRO-Infinity config arguments (shared with infinity_frameworks.py)."""
     ap.add_argument("--params", type=float, default=0.1e9)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--nvme-path", default=tempfile.gettempdir())
+    ap.add_argument("--nvme-path", default=tempfile.gettempdir(), help="the swap directories go under here")
     ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--d-model", type=int, default=None, help="width (default: by --params)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -309,10 +308,16 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=50_000_000)
     ap.add_argument("--max-live", type=int, default=1_000_000_000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count")
     ap.add_argument("--sample-ms", type=float, default=20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(ap)
+    ap.add_argument("--d-model", type=int, default=None, help="width (default: by --params)")
     ap.add_argument("--world", type=int, default=1, help="processes (gloo), each one data-parallel rank")
     ap.add_argument("--port", type=int, default=29533)
-    ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count")
     ap.add_argument("--checkpoint-dir", default=None, help="save after the steps, resume in a fresh engine")
     ap.add_argument("--markdown", action="store_true", help="print a markdown summary line")
     args = ap.parse_args()

@@ -80,7 +80,15 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from infinity import RssSampler, ds_config, gpt_config, hwm_bytes, rss_bytes, swap_bytes
+from infinity import (
+    RssSampler,
+    add_run_arguments,
+    ds_config,
+    gpt_config,
+    hwm_bytes,
+    rss_bytes,
+    swap_bytes,
+)
 
 FRAMEWORKS = ("meshspeed", "deepspeed")
 GIB = 2**30
@@ -411,23 +419,10 @@ def render_markdown(results: dict[str, dict], args, command: str) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
-    ap.add_argument("--params", type=float, default=0.3e9)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--nvme-path", default=tempfile.gettempdir(), help="the swap directories go under here")
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    add_run_arguments(ap)
+    ap.set_defaults(params=0.3e9)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sub-group-size", type=int, default=50_000_000)
-    ap.add_argument("--buffer-count", type=int, default=4)
-    ap.add_argument("--param-buffer-count", type=int, default=5)
-    ap.add_argument("--param-buffer-size", type=int, default=100_000_000)
-    ap.add_argument("--prefetch", type=int, default=50_000_000)
-    ap.add_argument("--max-live", type=int, default=1_000_000_000)
     ap.add_argument("--persistence-threshold", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sample-ms", type=float, default=20)
     ap.add_argument("--wait-idle", type=float, default=120, metavar="SECONDS",
                     help="before each framework, wait up to this long for the machine to be <20%% busy")
     ap.add_argument("--check-weights", action="store_true",

@@ -21,6 +21,7 @@ import threading
 
 import torch
 
+from meshspeed.runtime.accelerator import peak_rss_bytes, rss_bytes
 from meshspeed.testing.parity import ParitySetup, full_state_dict, train_steps
 
 
@@ -68,20 +69,7 @@ def run(s: ParitySetup) -> dict:
 # -- peak RSS --------------------------------------------------------------------------------
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_hwm() -> bool:
+def _resetpeak_rss_bytes() -> bool:
     """Set VmHWM to the current RSS (Linux's clear_refs "5"); False where refused."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -97,8 +85,8 @@ class RssPeak:
 
     def __enter__(self):
         gc.collect()
-        self.hwm_reset = _reset_hwm()
-        self.start = _rss()
+        self.hwm_reset = _resetpeak_rss_bytes()
+        self.start = rss_bytes()
         self.peak = self.start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -107,14 +95,14 @@ class RssPeak:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, rss_bytes())
         self.growth = self.peak - self.start
-        self.hwm_growth = _hwm() - self.start if self.hwm_reset else None
+        self.hwm_growth = peak_rss_bytes() - self.start if self.hwm_reset else None
 
 
 def capped_run(s: ParitySetup, warmup: ParitySetup, pending_bytes: int,
