@@ -8,7 +8,8 @@ config and from the largest unit and parameter, not from the model's size:
 
   optimizer_swap_buffers  offload_optimizer.buffer_count x the largest optimizer
                           sub-group (sub_group_size elements, or one parameter's slice
-                          when that is larger: parameters are never split) x 4 bytes
+                          when that is larger: parameters are never split; a slice is
+                          at most its unit's 1/dp, and can be the whole parameter) x 4 bytes
   param_swap_buffers      offload_param.buffer_count x buffer_size x the 16-bit width
   gradient_staging        ZeRO's reduce-scatter staging pool: the root unit and the two
                           block units in flight, each whole plus its 1/dp result, in
@@ -45,11 +46,6 @@ def root_param_count(shape: ModelShape) -> int:
     return shape.vocab_size * shape.d_model * (1 if shape.tie_embeddings else 2)
 
 
-def largest_param_count(shape: ModelShape) -> int:
-    """The largest single parameter: the embedding, or a feed-forward projection."""
-    return max(shape.vocab_size * shape.d_model, shape.ffn * shape.d_model)
-
-
 def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes: float = 4,
                       sub_group_size: int = 1_000_000_000, optimizer_buffer_count: int = 4,
                       param_buffer_count: int = 5, param_buffer_size: int = 100_000_000,
@@ -59,7 +55,10 @@ def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes:
     s = ModelShape.from_any(shape)
     block, root = block_param_count(s), root_param_count(s)
     shard = -(-(root + s.n_layer * block) // dp)
-    largest_slice = -(-largest_param_count(s) // dp)
+    # a rank's range of a unit can hold a whole parameter (where the range boundaries fall),
+    # so its largest slice is at most the parameter and at most its unit's 1/dp
+    largest_slice = max(min(s.vocab_size * s.d_model, -(-root // dp)),
+                        min(s.ffn * s.d_model, -(-block // dp)))
     sub_group = max(min(sub_group_size, shard), largest_slice)
     in_flight = root + min(2, s.n_layer) * block
     live_blocks = min(s.n_layer * block, max(block, max_live_parameters + prefetch_bucket_size))
