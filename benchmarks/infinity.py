@@ -139,7 +139,9 @@ def _build(args, cfg, sampler, nvme: str, phase: str = ""):
 
     sampler.phase(f"{phase}build")
     torch.manual_seed(0)
-    with meshspeed.zero.Init(dtype=torch.bfloat16):
+    # the config's offload_param.device "nvme" sends the chunks to a file as they are cut
+    # (Note [building straight to NVMe] in meshspeed/parallel/zero/init_spill.py)
+    with meshspeed.zero.Init(dtype=torch.bfloat16, config_dict_or_path=ds_config(args, nvme)):
         model = GPT(cfg)
     sampler.phase(f"{phase}initialize")
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -211,8 +213,7 @@ def run(args) -> dict:
             out["checkpoint"]["equal"] = out["checkpoint"]["loss_continued"] == out["checkpoint"]["loss_resumed"]
     out.update(losses=losses, step_s=times, io_bytes=io, hwm=hwm_bytes(), sampled_peak=sampler.peak,
                phase_peaks=sampler.peaks, phase_seconds=sampler.seconds, memory_breakdown=mem)
-    # the training peak: the largest phase other than build/initialize (zero.Init holds the
-    # 16-bit shards until initialize has moved them to their files)
+    # the training peak: the largest phase other than build/initialize
     out["train_peak"] = max(v for k, v in sampler.peaks.items() if "build" not in k and "initialize" not in k)
     out["host_bytes_per_param"] = (out["hwm"] - rss_start) / out["params"]
     shutil.rmtree(nvme, ignore_errors=True)

@@ -200,7 +200,7 @@ def worker(args) -> dict:
             sampler.phase("load weights")
             _load_weights_deepspeed(model, args.weights_dir)
         else:
-            with lib.zero.Init(dtype=torch.bfloat16):
+            with lib.zero.Init(dtype=torch.bfloat16, config_dict_or_path=ds_cfg):  # as DeepSpeed's
                 model = GPT(cfg)
         out["build_s"] = time.perf_counter() - t
         if args.check_weights:

@@ -42,6 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from meshspeed import comm
 from meshspeed.parallel.zero.init_shards import InitShards, is_partitioned
+from meshspeed.parallel.zero.init_spill import nvme_path_from, offload_param_device
 from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
 
 
@@ -54,6 +55,15 @@ class Init:
                  mpu=None, seed: int | None = None, **_deepspeed_options):
         self.group = data_parallel_group
         self.enabled = enabled
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"zero.Init: remote_device {remote_device!r} is not one of None, "
+                             "\"cpu\" or \"nvme\"")
+        # "nvme": chunks go to a file as they are cut (Note [building straight to NVMe]);
+        # unset, it follows the config's offload_param.device, as in DeepSpeed
+        config = config_dict_or_path if config_dict_or_path is not None else config
+        if remote_device is None:
+            remote_device = offload_param_device(config)
+        self._spill_dir = nvme_path_from(config) if remote_device == "nvme" and enabled else None
         self.dtype = dtype
         self.seed = seed
         self.peak_materialized_bytes = 0
@@ -70,7 +80,7 @@ class Init:
     def _partition_built(self, module: nn.Module) -> None:
         """`Init(module=m)`: partition a model built before, from rank 0's values."""
         _ensure_distributed()
-        shards = InitShards(self.group)
+        shards = InitShards(self.group, self._spill())
         for p in module.parameters():
             if not is_partitioned(p):
                 comm.broadcast(p.data, src=0, group=self.group)
@@ -111,7 +121,7 @@ class Init:
             h.remove()
         try:
             if exc_type is None:
-                shards = InitShards(self.group)
+                shards = InitShards(self.group, self._spill())
                 for root in [m for m in list(self._parents.keys()) if m not in self._children]:
                     self._materialize(root, recorder, shards)
         finally:
@@ -120,6 +130,13 @@ class Init:
             self._parents.clear()
             self._children.clear()
         return False
+
+    def _spill(self):
+        if self._spill_dir is None:
+            return None
+        from meshspeed.parallel.zero.init_spill import ChunkFile
+
+        return ChunkFile(self._spill_dir, comm.get_rank())
 
     @torch.no_grad()
     def _materialize(self, root: nn.Module, recorder: Recorder, shards: InitShards) -> None:

@@ -27,11 +27,27 @@ from meshspeed.parallel.zero.layout import ParamLayout
 class _Slice:
     owner: InitShards  # held here: the owner lives as long as one of its parameters
     shape: torch.Size
-    chunk: torch.Tensor  # this rank's padded chunk, 1-D
+    chunk: torch.Tensor | None  # this rank's padded chunk, 1-D (None: in the owner's file)
     gathered: bool = False  # whole now, for GatheredParameters
+    dtype: torch.dtype | None = None
+    numel: int = 0
+    offset: int = -1  # where the chunk is in the owner's ChunkFile (init_spill.py)
 
     def layout(self, world: int) -> ParamLayout:
         return ParamLayout("", tuple(self.shape), world, 0)
+
+    def values(self) -> torch.Tensor:
+        """The chunk (read back from its file when spilled: a copy)."""
+        if self.chunk is not None:
+            return self.chunk
+        return self.owner.spill.get(self.offset, self.numel, self.dtype)
+
+    def set_values(self, chunk: torch.Tensor) -> None:
+        self.dtype, self.numel = chunk.dtype, chunk.numel()
+        if self.owner.spill is None:
+            self.chunk = chunk
+        else:  # Note [building straight to NVMe] in init_spill.py
+            self.chunk, self.offset = None, self.owner.spill.put(chunk)
 
 
 # parameter -> its slice, for parameters built under Init; keyed by identity (a
@@ -42,8 +58,9 @@ _SLICES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 class InitShards:
     """The owner (parallel/registry.py) of the parameters one `zero.Init` built."""
 
-    def __init__(self, group):
+    def __init__(self, group, spill=None):
         self.group = group
+        self.spill = spill  # a ChunkFile (init_spill.py) for remote_device="nvme", else None
 
     def adopt(self, param: nn.Parameter, full: torch.Tensor, dtype: torch.dtype) -> None:
         """Keep this rank's chunk of `full` (param's values) and empty the parameter."""
@@ -52,7 +69,8 @@ class InitShards:
         chunk = torch.zeros(layout.chunk, dtype=dtype)
         n = layout.valid(rank)
         chunk[:n].copy_(full.reshape(-1)[rank * layout.chunk : rank * layout.chunk + n])
-        _SLICES[param] = _Slice(self, full.shape, chunk)
+        s = _SLICES[param] = _Slice(self, full.shape, None)
+        s.set_values(chunk)
         param.data = _placeholder(dtype)
         registry.register([param], self)
         ds_params.expose([param], self)
@@ -77,20 +95,24 @@ class InitShards:
             comm.broadcast(p.data, src=src_rank, group=self.group)
             layout = s.layout(world)
             n = layout.valid(rank)
-            s.chunk[:n].copy_(p.detach().reshape(-1)[rank * layout.chunk : rank * layout.chunk + n])
+            chunk = s.values()
+            chunk[:n].copy_(p.detach().reshape(-1)[rank * layout.chunk : rank * layout.chunk + n])
+            if s.chunk is None:
+                s.set_values(chunk)  # spilled: the changed chunk goes back to the file
 
     def release_for_user(self, gathered: list[nn.Parameter]) -> None:
         for p in gathered:
             s = _SLICES[p]
             s.gathered = False
-            p.data = _placeholder(s.chunk.dtype)
+            p.data = _placeholder(s.dtype)
 
     # -- ds attributes --------------------------------------------------------------------
     def partition_view(self, param: nn.Parameter) -> PartitionView:
         s = _SLICES[param]
         world, rank = comm.get_world_size(self.group), comm.get_rank(self.group)
         status = ZeroParamStatus.AVAILABLE if s.gathered else ZeroParamStatus.NOT_AVAILABLE
-        return PartitionView(status, s.shape, s.chunk[: s.layout(world).valid(rank)])
+        # spilled: a copy read from the file (changing it changes nothing)
+        return PartitionView(status, s.shape, s.values()[: s.layout(world).valid(rank)])
 
 
 def is_partitioned(param: nn.Parameter) -> bool:
@@ -109,7 +131,7 @@ def full_numel(param: nn.Parameter) -> int:
 
 def cast_partitioned(param: nn.Parameter, dtype: torch.dtype) -> None:
     s = _SLICES[param]
-    s.chunk = s.chunk.to(dtype)
+    s.set_values(s.values().to(dtype))
     param.data = _placeholder(dtype)
 
 
@@ -123,8 +145,9 @@ def gather_partitioned(param: nn.Parameter) -> None:
 
 def _all_gather(s: _Slice, group) -> torch.Tensor:
     world = comm.get_world_size(group)
-    full = torch.empty(world * s.chunk.numel(), dtype=s.chunk.dtype)
-    comm.all_gather_into_tensor(full, s.chunk, group=group)
+    chunk = s.values()
+    full = torch.empty(world * chunk.numel(), dtype=chunk.dtype)
+    comm.all_gather_into_tensor(full, chunk, group=group)
     return full[: s.shape.numel()].view(s.shape)
 
 

@@ -91,3 +91,54 @@ def test_building_a_large_model_costs_a_slice_not_the_model():
         bound = full / 2 + 2 * unit + 32e6
         assert growth < bound < 0.8 * full, (
             f"RSS grew {growth / 1e6:.0f} MB for a {full / 1e6:.0f} MB model (bound {bound / 1e6:.0f} MB)")
+
+
+# -- remote_device="nvme": Note [building straight to NVMe] in init_spill.py -----------------
+
+def _spilled_vs_in_memory(nvme_path):
+    import gc
+
+    cfg = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": nvme_path}}}
+    torch.manual_seed(0)
+    with meshspeed.zero.Init():
+        plain = GPT(CFG)
+    torch.manual_seed(0)
+    with meshspeed.zero.Init(remote_device="nvme", config_dict_or_path=cfg):
+        spilled = GPT(CFG)
+    chunk_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in plain.parameters())
+    dirs = [d for d in os.listdir(nvme_path) if d.startswith(f"meshspeed-init-rank{comm.get_rank()}-")]
+    on_disk = sum(os.path.getsize(os.path.join(nvme_path, d, "chunks.bin")) for d in dirs)
+    # the ds_tensor of a spilled parameter is read from the file: the same values
+    same_chunks = all(torch.equal(a.ds_tensor, b.ds_tensor)
+                      for a, b in zip(plain.parameters(), spilled.parameters()))
+    engines = [meshspeed.initialize(model=m, model_parameters=m.parameters(), config=_config(3))[0]
+               for m in (plain, spilled)]
+    losses = [_train(e) for e in engines]
+    states = [full_state_dict(e) for e in engines]
+    del engines, plain, spilled
+    gc.collect()
+    left = [d for d in os.listdir(nvme_path) if d.startswith(f"meshspeed-init-rank{comm.get_rank()}-")]
+    return chunk_bytes, on_disk, len(dirs), same_chunks, losses, states, left
+
+
+def test_init_with_remote_device_nvme_writes_chunks_to_a_file_and_trains_the_same(tmp_path):
+    for chunk_bytes, on_disk, ndirs, same_chunks, losses, states, left in run_distributed(
+            _spilled_vs_in_memory, world_size=2, args=(str(tmp_path),)):
+        assert ndirs == 1 and on_disk == chunk_bytes > 0  # every chunk in this rank's file
+        assert same_chunks
+        assert losses[0] == losses[1]
+        for name in states[0]:
+            assert torch.equal(states[0][name], states[1][name]), name
+        assert left == []  # the file goes once initialize has taken every chunk
+
+
+def test_init_remote_device_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="remote_device 'gpu'"):
+        meshspeed.zero.Init(remote_device="gpu")
+    with pytest.raises(ValueError, match="needs config_dict_or_path"):
+        meshspeed.zero.Init(remote_device="nvme")
+    with pytest.raises(ValueError, match="offload_param.nvme_path"):
+        meshspeed.zero.Init(remote_device="nvme", config_dict_or_path={"zero_optimization": {}})
+    with pytest.raises(ValueError, match="is not a directory"):
+        meshspeed.zero.Init(remote_device="nvme", config_dict_or_path={
+            "zero_optimization": {"offload_param": {"nvme_path": str(tmp_path / "missing")}}})
