@@ -53,7 +53,11 @@ def _in_fresh_process(tmp_path: Path, name: str, *args, timeout: float = 300):
     so no earlier test's allocations in its heap or its VmHWM); returns its result."""
     args_path, out_path = tmp_path / f"{name}.args.pt", tmp_path / f"{name}.out.pt"
     torch.save((args, {}), args_path)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    # a lone process of its own: no rendezvous settings inherited from this one (an earlier
+    # test's MASTER_PORT may still be bound here), so it picks a free port
+    launch = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {**{k: v for k, v in os.environ.items() if k not in launch},
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-m", "tests.offload.infinity_workers", name,
                            str(args_path), str(out_path)], check=False, env=env, cwd=ROOT,
