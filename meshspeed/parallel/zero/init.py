@@ -44,6 +44,7 @@ from meshspeed import comm
 from meshspeed.parallel.zero.init_shards import InitShards, is_partitioned
 from meshspeed.parallel.zero.init_spill import nvme_path_from, offload_param_device
 from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
+from meshspeed.runtime.malloc import release_free_heap
 
 
 class Init:
@@ -127,6 +128,10 @@ class Init:
         finally:
             recorder.release_scratch()
             self.peak_materialized_bytes = recorder.peak_bytes
+            if self._spill_dir is not None:
+                # the replay's freed temporaries stay in glibc's heaps otherwise (0.5 GiB
+                # resident after building a 0.49B model, 0.08 GiB after the trim)
+                release_free_heap()
             self._parents.clear()
             self._children.clear()
         return False
