@@ -44,7 +44,7 @@ from meshspeed import comm
 from meshspeed.parallel.zero.init_shards import InitShards, is_partitioned
 from meshspeed.parallel.zero.init_spill import nvme_path_from, offload_param_device
 from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
-from meshspeed.runtime.malloc import release_free_heap
+from meshspeed.runtime.malloc import release_free_heap, tune_host_allocator
 
 
 class Init:
@@ -92,6 +92,10 @@ class Init:
             self.enabled = False  # nested in another Init: the outer one partitions
             return self
         _ensure_distributed()
+        # the replay frees a full tensor per parameter: with glibc's adaptive mmap threshold
+        # those below 32 MiB would pile up in its heaps (Note [a fixed mmap threshold for
+        # CPU training]); initialize sets the same threshold
+        tune_host_allocator()
         if self.seed is not None:
             torch.manual_seed(self.seed)
         if comm.get_world_size(self.group) > 1:  # every rank builds rank 0's model
