@@ -84,9 +84,13 @@ class GradFiles:
     def land(self, unit) -> None:
         """The unit's reduced shard -> its file; unscaled, checked and normed on the way."""
         u = self._index(unit)
-        grad = unit.grad_shard.float()  # a new fp32 tensor for 16-bit training
-        if grad.data_ptr() == unit.grad_shard.data_ptr():
-            grad = grad.clone()  # fp32 training: the unit's buffer is reused next step
+        src = unit.grad_shard
+        if src.device.type != "cpu":  # an accelerator's shard: the file is written from host memory
+            grad = src.detach().to("cpu", torch.float32)
+        else:
+            grad = src.float()  # a new fp32 tensor for 16-bit training
+            if grad.data_ptr() == src.data_ptr():
+                grad = grad.clone()  # fp32 training: the unit's buffer is reused next step
         views = [grad[s.offset : s.offset + s.numel] for s, m in zip(unit.spans, unit.masters)
                  if m.requires_grad]
         if self.loss_scale != 1.0 and views:
