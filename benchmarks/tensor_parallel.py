@@ -228,6 +228,8 @@ def table(rows: list[dict], setup: Setup) -> str:
 
 def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params: int,
              slow_link: float = 0.0) -> str:
+    from zero_report import command_and_machine
+
     s = setup
     title = "## Tensor parallelism: torch TP, DeepSpeed AutoTP and meshspeed, tp=2 (`benchmarks/tensor_parallel.py`)"
     if slow_link:
@@ -248,13 +250,7 @@ def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params
         "in its own fresh processes: 2 gloo ranks, one intra-op thread each (`single`: one process, no TP). "
         f"Step time is rank 0's median over {s.steps} timed steps after {s.warmup} warm-up steps; each step "
         "is forward + backward + optimizer step, started at an untimed barrier."),
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        "Machine: " + "; ".join(f"{k} {v}" for k, v in machine.items()) + ".",
-        "",
+        *command_and_machine(command, machine),
         table(rows, setup),
         "",
         ("- **torch-tp**: `parallelize_module` with torchtitan's Llama plan (q/k/v, gate/up column-parallel; "

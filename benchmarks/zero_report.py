@@ -54,6 +54,13 @@ def machine_description() -> dict[str, str]:
     }
 
 
+def command_and_machine(command: str, machine: dict[str, str]) -> list[str]:
+    """The markdown lines every benchmark section carries: the command that made it, then
+    the machine it ran on (`machine_description()`), blank lines around both."""
+    return ["", "```", command, "```", "",
+            "Machine: " + "; ".join(f"{k} {v}" for k, v in machine.items()) + ".", ""]
+
+
 def summarise(name: str, ranks: list[dict]) -> dict:
     """One framework's run (every rank's raw numbers) -> the numbers the report shows."""
     r0 = ranks[0]
@@ -167,13 +174,7 @@ def render_markdown(rows: dict[str, dict], setup, world: int, psi: int, command:
          f"used at most {quiet_load:.0%} of the machine during its timed steps; **noisy** marks a "
          "framework that had no quiet run, whose wall clock is then the fastest noisy run's "
          "(Note [timing on a shared machine] in the script)."),
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        "Machine: " + "; ".join(f"{k} {v}" for k, v in machine.items()) + ".",
-        "",
+        *command_and_machine(command, machine),
         ("| framework | step (s) | vs DDP | CPU s / step | vs DDP | other load | runs | peak RSS (MiB) "
          "| above baseline (MiB) | vs DDP | model state (MiB) | vs DDP |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
