@@ -35,7 +35,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "managed_gradient_accumulation",
         "memory_breakdown",
         "nebula",
-        "pipeline",
         "progressive_layer_drop",
         "quantize_training",
         "seq_parallel_comm_data_type",

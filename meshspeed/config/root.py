@@ -12,6 +12,7 @@ from meshspeed.config.checkpoint import CheckpointConfig
 from meshspeed.config.comms import CommDtype, CommsLoggerConfig
 from meshspeed.config.offload import AioConfig
 from meshspeed.config.optim import OptimizerConfig, SchedulerConfig
+from meshspeed.config.pipeline import PipelineConfig
 from meshspeed.config.precision import BF16Config, FP16Config
 from meshspeed.config.tensor_parallel import TensorParallelConfig
 from meshspeed.config.zero import ZeroConfig
@@ -63,6 +64,7 @@ class MeshspeedConfig(StrictModel):
         default_factory=ActivationCheckpointingConfig
     )
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
     # Set by load_config: which batch keys the user gave (the rest were derived), and
     # the accepted-but-unused DeepSpeed keys that were set aside.

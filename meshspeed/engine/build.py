@@ -23,6 +23,8 @@ from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.config.no_effect import report_no_effect
 from meshspeed.engine.engine import MeshspeedEngine
 from meshspeed.engine.layout import build_layout, describe_layout, split_tensor_parallel
+from meshspeed.engine.pipeline import PipelineEngine, check_pipeline
+from meshspeed.engine.tied_grads import TiedGrads
 from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement
 from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
 from meshspeed.optim.precision import build_scaler
@@ -86,8 +88,13 @@ def initialize(
         raise ValueError(f"initialize(model=...): {type(model).__name__} has no trainable parameters "
                          f"({count} parameters, all with requires_grad=False); unfreeze some "
                          "(p.requires_grad_(True)) or run the model without an engine for inference")
+    pipelined = topology.size("pp") > 1
+    if pipelined:
+        check_pipeline(model, cfg)
     model = split_tensor_parallel(model, topology, cfg.tensor_parallel, cfg.precision_dtype)
     module = _cast(model, device, cfg.precision_dtype)
+    tied = TiedGrads(module, topology)  # collective: every rank makes the tied groups
+    tied.broadcast_from_first()  # Note [summing tied gradients over stages]
     placement = offload_placement(cfg)
     strategy = _build_strategy(module, dp_group, cfg, placement)
     if not isinstance(strategy, Strategy):  # a strategy missing part of the protocol
@@ -105,11 +112,13 @@ def initialize(
             dp_size=dp_size, seed=dataloader_seed, collate_fn=collate_fn,
         )
     comm_logger = _build_comm_logger(cfg)
-    engine = MeshspeedEngine(
+    engine = (PipelineEngine if pipelined else MeshspeedEngine)(
         module=module, config=cfg, strategy=strategy, optimizer=opt, lr_scheduler=scheduler,
         scaler=build_scaler(cfg.fp16), topology=topology, dataloader=loader,
         comm_logger=comm_logger, device=device,
     )
+    if pipelined:
+        engine.attach_tied(tied)
     if comm.get_rank() == 0:
         log.info("meshspeed: ZeRO stage %d, %s, %s, micro batch %d x accumulation %d",
                  cfg.zero_stage, str(cfg.precision_dtype).replace("torch.", ""),

@@ -73,6 +73,11 @@ class MeshspeedEngine(nn.Module):
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._no_sync = False  # inside engine.no_sync()
         self._step_applied = False
+        self._stage_groups: list = []  # set by the pipeline engine: [pp group]
+        self._norm_skip: set[int] = set()  # masters left out of the gradient norm
+
+    def _reduce_tied(self) -> None:
+        """Hook for the pipeline engine (tied layers across stages); nothing here."""
 
     # -- DeepSpeed-compatible accessors ---------------------------------------------------
     @property
@@ -258,15 +263,21 @@ class MeshspeedEngine(nn.Module):
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if not boundary:
             return
+        self._apply_step()
+
+    def _apply_step(self) -> None:
+        """The optimizer step at an accumulation boundary: agree, reduce, check, clip, step."""
         # Note [agreement before each step]
         counters = dict(zip(STEP_COUNTERS, (self.global_steps, self.micro_steps, self.skipped_steps)))
         for group in self._agree_over:
             agree(f"optimizer step {self.global_steps}", counters, group=group, device=self.device)
         masters = self.strategy.prepare_step()
         self._tp.reduce_partial()  # Note [partial gradients of sequence-parallel norms]
+        self._reduce_tied()
         masters = [m for m in masters if m.grad is not None]
         grads = [m.grad for m in masters]
-        groups = self.strategy.grad_norm_groups()
+        # with pipeline stages, each stage holds its own layers' gradients: sum over pp too
+        groups = [*self.strategy.grad_norm_groups(), *self._stage_groups]
         check = self.config.fp16.enabled or self.config.check_finite
         check_over = [*groups, *([self._tp.group] if self._tp.active else [])]
         deferred = self.strategy.deferred_grads()  # Note [gradients in their NVMe slot]
@@ -282,9 +293,11 @@ class MeshspeedEngine(nn.Module):
             old_scale = self.loss_scaler.scale
         else:
             if self.config.gradient_clipping > 0:
-                norm = global_grad_norm(grads, groups, self.device, tp_group=self._tp.group,
-                                        tp_split=self._tp.split_mask(masters),
-                                        norms=None if deferred is None else deferred.norms(masters))
+                counted = [m for m in masters if id(m) not in self._norm_skip]  # tied copies once
+                norm = global_grad_norm([m.grad for m in counted] if deferred is None else [], groups,
+                                        self.device, tp_group=self._tp.group,
+                                        tp_split=self._tp.split_mask(counted),
+                                        norms=None if deferred is None else deferred.norms(counted))
                 clip_by_norm_(grads, self.config.gradient_clipping, norm)
                 if deferred is not None:
                     deferred.clip_(clip_coef(self.config.gradient_clipping, norm))

@@ -56,9 +56,30 @@ def tensor_parallel_degree(config: Any, model: nn.Module, mpu: Any) -> int:
     return max(tp, request["tp_size"])
 
 
+def pipeline_degree(config: Any, model: nn.Module) -> int:
+    """pp: the PipelineModule's number of stages; the config's `pipeline.stages`, when a
+    number, must agree (a plain module cannot be split by a config key alone)."""
+    from meshspeed.parallel.pipeline.module import PipelineModule
+
+    stages = model.num_stages if isinstance(model, PipelineModule) else 1
+    raw = config.pipeline.stages if isinstance(config, MeshspeedConfig) else \
+        ((_read(config).get("pipeline") or {}).get("stages", "auto") if config is not None else "auto")
+    if raw not in ("auto", None) and raw != stages:
+        what = (f"the PipelineModule has num_stages={stages}" if isinstance(model, PipelineModule)
+                else f"the model is a {type(model).__name__}, not a PipelineModule (one stage)")
+        raise ConfigError([(f"pipeline.stages: {raw}, but {what}; set \"stages\": \"auto\" or build "
+                           f"PipelineModule(..., num_stages={raw})")])
+    return stages
+
+
 def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module) -> Topology:
     """The Topology for this run. Collective over the world."""
     tp = tensor_parallel_degree(config, model, mpu)
+    pp = pipeline_degree(config, model)
+    if mpu is not None and pp > 1:
+        raise ConfigError([(f"initialize(mpu=...) with a {pp}-stage PipelineModule: the pipeline layout "
+                           "comes from the module and the config here; drop mpu= (tensor "
+                           "parallelism: tensor_parallel.autotp_size)")])
     if mpu is not None:
         topology = topology_from_mpu(mpu)
         if tp > 1 and tp != topology.size("tp"):
@@ -66,10 +87,11 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module) 
                                f"group has {topology.size('tp')} ranks; make them equal or drop the key")])
         return topology
     world = comm.get_world_size()
-    if world % tp:
-        raise ConfigError([(f"tensor_parallel.autotp_size: {tp} does not divide the world size "
+    if world % (tp * pp):
+        what = f"tensor_parallel.autotp_size: {tp}" + (f" x {pp} pipeline stages" if pp > 1 else "")
+        raise ConfigError([(f"{what} does not divide the world size "
                            f"{world} ({describe_world()}); use a divisor of {world}")])
-    topology = build_topology(ParallelDims(world, tp=tp), device_type=device.type)
+    topology = build_topology(ParallelDims(world, tp=tp, pp=pp), device_type=device.type)
     _check_requested_group(model, topology)
     return topology
 

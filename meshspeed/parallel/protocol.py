@@ -8,6 +8,7 @@ report use the ones marked for them. A strategy that is not `Strategy` fails the
 One step, as the engine calls it:
 
     begin_micro_step(boundary)        before forward of each micro-step
+                                      (or hold_reductions(): accumulate only)
     (forward, loss.backward())
     finish_backward()                 after backward: reductions launched / settled
     prepare_step() -> masters         at the boundary: masters carry their gradients
@@ -33,6 +34,12 @@ class Strategy(Protocol):
 
     # -- the step ------------------------------------------------------------------------------
     def begin_micro_step(self, boundary: bool) -> None: ...
+    def hold_reductions(self) -> None:
+        """The coming backward passes only accumulate `.grad`: nothing is reduced, even
+        where every micro-step normally reduces (ZeRO 2-3), until `begin_micro_step(True)`
+        and `finish_backward()` reduce all of it (pipelined passes that are not whole
+        micro-steps: Note [micro-steps of a pipelined batch] in engine/pipeline.py)."""
+        ...
     def finish_backward(self) -> None: ...
     def prepare_step(self) -> list[nn.Parameter]: ...
     def finish_step(self) -> None: ...

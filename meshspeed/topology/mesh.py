@@ -145,3 +145,27 @@ def _derived_group(dims: ParallelDims, axis: str, rank: int,
             mine = group
     assert mine is not None, f"rank {rank} is in no {axis} group"
     return mine
+
+
+_extra: dict[tuple, dist.ProcessGroup | None] = {}  # Note [one mesh per layout], for extra groups
+_extra_for: list[int] = []
+
+
+def group_from_layout(layout: list[list[int]]) -> dist.ProcessGroup | None:
+    """This rank's group of `layout` (a partition of some ranks into groups, the same list
+    on every rank), or None if it is in none. Collective over the default group the first
+    time a layout is asked for (every rank creates every group, in order); memoised.
+    For groups the mesh does not name, such as the stages sharing a tied layer."""
+    world_pg = dist.group.WORLD
+    if _extra_for != [id(world_pg)]:
+        _extra.clear()
+        _extra_for[:] = [id(world_pg)]
+    key = tuple(tuple(sorted(g)) for g in layout)
+    if key not in _extra:
+        rank, mine = dist.get_rank(), None
+        for ranks in key:
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = group
+        _extra[key] = mine
+    return _extra[key]

@@ -84,6 +84,9 @@ class DataParallel:
     def begin_micro_step(self, boundary: bool) -> None:
         self.tracker.arm(boundary)
 
+    def hold_reductions(self) -> None:
+        self.tracker.arm(False)  # gradients accumulate in .grad; the next boundary reduces them
+
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         bucket.collect()

@@ -1,20 +1,33 @@
 """`PipelineModule`: a model written as a list of layers, DeepSpeed's pipeline interface.
 
-    net = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), nn.ReLU(), nn.Linear(16, 2)],
-                         loss_fn=nn.CrossEntropyLoss(), num_stages=1)
+    net = PipelineModule(layers=[LayerSpec(nn.Linear, 8, 16), nn.ReLU(), LayerSpec(nn.Linear, 16, 2)],
+                         loss_fn=nn.CrossEntropyLoss(), num_stages=2)
 
-The layers are applied in order, each one's output the next one's input. `LayerSpec`
-defers building a layer (with several stages each rank would build only its own);
-`TiedLayerSpec` builds one module per key and reuses it wherever the key appears (tied
-embeddings).
+The layers are applied in order, each one's output the next one's input. They are cut into
+`num_stages` contiguous runs (`partition.py`, `partition_method`), and each rank keeps only
+the run of its pipeline stage: stage s is ranks [s * world / num_stages, (s + 1) * world /
+num_stages), the mesh's pp axis (pipeline slowest, as in `meshspeed.topology.degrees`).
 
-Note [one pipeline stage only]
-Pipeline parallelism itself (splitting the layers over stages, a micro-batch schedule,
-point-to-point activations) is not implemented yet. With one stage the module is an
-ordinary `nn.Module`: it trains under data parallelism or ZeRO like any model (compute the
-loss with `net.loss_fn(output, labels)`). More than one stage raises NotImplementedError
-at construction -- running every layer on every rank instead would be data parallelism
-under a pipeline's name, with none of its memory savings.
+Note [only the owner builds]
+A `LayerSpec` is built on the stage that owns it and nowhere else (its parameters are
+counted on the meta device to cut the stages), so a model too big for one rank never
+exists whole. Layers passed already built (`nn.Module`s, as DeepSpeed's examples do) exist
+on every rank until this constructor returns; the ones another stage owns are dropped then
+and not kept referenced. Parameters are registered under their global layer index ("3.weight"),
+the names a one-stage module gives them, so checkpoints and parity tests line up across
+pipeline degrees.
+
+Note [tied layers across stages]
+A `TiedLayerSpec` key names one module used at several positions (an embedding and the LM
+head through its weight). Every stage owning a position builds the module (with
+`seed_layers`, seeded by the key's first position, so all copies start equal; the engine
+also broadcasts the first stage's copy to the others). The copies are separate tensors on
+separate ranks: after each batch the engine sums their gradients over the stages holding
+the key (`tied_stages()`), so every copy takes the same step, the one a single shared
+module would take.
+
+Interleaved schedules (`virtual_stages=v > 1`) cut the layers into p * v runs; stage s owns
+runs s, s + p, s + 2p, ...: `chunks()` returns one callable per run, in that order.
 """
 
 from __future__ import annotations
@@ -28,9 +41,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshspeed import comm
+from meshspeed.parallel.pipeline.partition import partition
 from meshspeed.topology.process import PipeDataParallelTopology, ProcessTopology
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "split_sequential"]
 
 
 class LayerSpec:
@@ -57,12 +71,11 @@ class TiedLayerSpec(LayerSpec):
 
     `forward_fn(module, x)`, when given, is what that position computes with the shared
     module (e.g. the output projection through a tied embedding's weight).
-    `tied_weight_attr` names the tied tensors; with one stage the whole module is shared,
-    so they are tied by construction."""
+    `tied_weight_attr` names the tied tensors (Note [tied layers across stages])."""
 
     def __init__(self, key: str, typename: type[nn.Module], *module_args: Any,
                  forward_fn: Callable[[nn.Module, Any], Any] | None = None,
-                 tied_weight_attr: str | Sequence[str] = ("weight",), **module_kwargs: Any):
+                 tied_weight_attr: str | Sequence[str] = "weight", **module_kwargs: Any):
         super().__init__(typename, *module_args, **module_kwargs)
         self.key = key
         self.forward_fn = forward_fn
@@ -71,14 +84,33 @@ class TiedLayerSpec(LayerSpec):
 
 def _stages(num_stages: int | None, topology: ProcessTopology | None) -> int:
     if topology is not None:
-        return topology.get_dim("pipe") or 1
+        stages = topology.get_dim("pipe") or 1
+        if num_stages is not None and num_stages != stages:
+            raise ValueError(f"PipelineModule(num_stages={num_stages}) but the topology has {stages} "
+                             "pipe stages; give one of them")
+        return stages
     if num_stages is None:
         raise ValueError("PipelineModule needs num_stages=... or topology=...")
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"PipelineModule(num_stages={num_stages!r}): a positive integer")
     return num_stages
 
 
+def _world() -> tuple[int, int]:
+    if not comm.is_initialized():
+        from meshspeed.runtime.distributed import init_distributed
+
+        init_distributed(verbose=False)
+    return comm.get_rank(), comm.get_world_size()
+
+
+def stage_of(rank: int, world: int, stages: int) -> int:
+    """The pipeline stage of `rank`: pipeline is the slowest mesh axis."""
+    return rank // (world // stages)
+
+
 class PipelineModule(nn.Module):
-    """DeepSpeed's `PipelineModule` arguments; one stage only (Note [one pipeline stage only])."""
+    """DeepSpeed's `PipelineModule`: this rank's stage of a list of layers (module docstring)."""
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None,
                  topology: ProcessTopology | None = None, loss_fn: Callable | None = None,
@@ -86,85 +118,199 @@ class PipelineModule(nn.Module):
                  base_seed: int = 1234, partition_method: str = "parameters",
                  activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable | None = None,
-                 checkpointable_layers: list[str] | None = None, dynamic_shape: bool = False):
+                 checkpointable_layers: list[str] | None = None, dynamic_shape: bool = False,
+                 virtual_stages: int = 1):
         super().__init__()
+        layers = list(layers)
         stages = _stages(num_stages, topology)
-        if stages > 1:
-            raise NotImplementedError(
-                f"PipelineModule with {stages} stages: pipeline parallelism is not available in "
-                "meshspeed yet. Use num_stages=1 to train the layers as one module (data parallel "
-                "or ZeRO over every rank), or keep DeepSpeed for pipeline training.")
-        if topology is not None and any(d > 1 for a, d in zip(topology.axes, topology.dims)
-                                        if a not in ("pipe", "data")):
-            raise NotImplementedError(f"PipelineModule topology {topology}: only the 'data' axis may "
-                                      "exceed 1 (model parallelism through a topology is not available)")
-        world = comm.get_world_size() if comm.is_initialized() else 1
-        self._topo = topology or PipeDataParallelTopology(num_pp=1, num_dp=world)
-        self.num_stages = 1
-        self.stage_id = 0
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"PipelineModule(virtual_stages={virtual_stages!r}): a positive integer")
+        rank, world = _world() if stages > 1 or comm.is_initialized() else (0, 1)
+        if world % stages:
+            raise ValueError(f"PipelineModule(num_stages={stages}) on {world} ranks: the number of stages "
+                             f"must divide the world size; use a divisor of {world}")
+        self._topo = topology or PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
+        if self._topo.world_size() != world:
+            raise ValueError(f"PipelineModule topology {self._topo} has {self._topo.world_size()} ranks, "
+                             f"the job has {world}")
+        _check_pipe_slowest(self._topo, world, stages)
+        self.num_stages = stages
+        self.virtual_stages = virtual_stages
+        self.stage_id = stage_of(rank, world, stages)
+        self.global_rank, self.world_size = rank, world
         self.loss_fn = loss_fn
-        self.partition_method = partition_method  # no effect with one stage
+        self.partition_method = partition_method
         self.dynamic_shape = dynamic_shape
+        self.seed_layers, self.base_seed = seed_layers, base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        self.num_layers = len(layers)
+        # bounds over p * v runs; run k belongs to stage k % p, as its chunk k // p
+        self.parts = partition(layers, stages * virtual_stages, partition_method)
+        self._tied_positions = _tied_positions(layers)
         self.tied_modules = nn.ModuleDict()
-        self.forward_funcs: list[Callable] = []
-        self._names: list[str | None] = []  # class name per position, for checkpointable_layers
-        for index, layer in enumerate(layers):
-            if seed_layers:
-                (seed_fn or torch.manual_seed)(base_seed + index)
-            self.forward_funcs.append(self._place(index, layer))
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self._chunks: list[_Chunk] = []
+        for chunk in range(virtual_stages):
+            run = chunk * stages + self.stage_id
+            lo, hi = self.parts[run], self.parts[run + 1]
+            funcs, names = [], []
+            for index in range(lo, hi):
+                if seed_layers:
+                    (seed_fn or torch.manual_seed)(base_seed + self._seed_index(layers[index], index))
+                func, name = self._place(index, layers[index])
+                funcs.append(func)
+                names.append(name)
+            self._chunks.append(_Chunk(self, chunk, run, list(range(lo, hi)), funcs, names))
+        layers.clear()  # Note [only the owner builds]: no reference to other stages' layers
+        self.forward_funcs = [f for c in self._chunks for f in c.funcs]
 
-    def _place(self, index: int, layer: Any) -> Callable:
+    # -- building ------------------------------------------------------------------------------
+    def _seed_index(self, layer: Any, index: int) -> int:
+        """Tied copies are seeded by the key's first position, so they start equal."""
+        if isinstance(layer, TiedLayerSpec):
+            return self._tied_positions[layer.key][0]
+        return index
+
+    def _place(self, index: int, layer: Any) -> tuple[Callable, str | None]:
         """Register `layer` at position `index`; return what forward calls there."""
         if isinstance(layer, TiedLayerSpec):
             if layer.key not in self.tied_modules:
                 self.tied_modules[layer.key] = layer.build()
+                self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
             module = self.tied_modules[layer.key]
-            self._names.append(type(module).__name__)
-            return functools.partial(layer.forward_fn, module) if layer.forward_fn else module
+            func = functools.partial(layer.forward_fn, module) if layer.forward_fn else module
+            return func, type(module).__name__
         if isinstance(layer, LayerSpec):
             layer = layer.build()
         if isinstance(layer, nn.Module):
             self.add_module(str(index), layer)
-            self._names.append(type(layer).__name__)
-            return layer
+            return layer, type(layer).__name__
         if callable(layer):  # a plain function between layers, e.g. a flatten
-            self._names.append(None)
-            return layer
+            return layer, None
         raise TypeError(f"PipelineModule layer {index}: expected an nn.Module, LayerSpec or callable, "
                         f"got {type(layer).__name__}")
 
+    # -- what the engine asks ------------------------------------------------------------------
     def topology(self) -> ProcessTopology:
         return self._topo
 
-    def forward(self, forward_input: Any) -> Any:
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def chunks(self) -> list[_Chunk]:
+        """This stage's runs of layers, in schedule chunk order (one unless interleaved)."""
+        return list(self._chunks)
+
+    def stage_layers(self, stage: int | None = None) -> range:
+        """Global indices of the layers a stage owns (with one chunk per stage)."""
+        s = self.stage_id if stage is None else stage
+        if self.virtual_stages != 1:
+            raise ValueError("stage_layers() with virtual_stages > 1: use chunks()")
+        return range(self.parts[s], self.parts[s + 1])
+
+    def tied_stages(self) -> dict[str, list[int]]:
+        """For every tied key: the stages holding a copy (Note [tied layers across stages])."""
+        out = {}
+        for key, positions in self._tied_positions.items():
+            runs = {next(k for k in range(len(self.parts) - 1) if self.parts[k] <= i < self.parts[k + 1])
+                    for i in positions}
+            out[key] = sorted({k % self.num_stages for k in runs})
+        return out
+
+    def get_tied_weights(self) -> dict[str, list[nn.Parameter]]:
+        """This stage's tied tensors per key (empty for keys it does not hold)."""
+        return {key: [self.tied_modules[key].get_parameter(attr) for attr in attrs]
+                for key, attrs in self.tied_weight_attrs.items()}
+
+    # -- running ---------------------------------------------------------------------------------
+    def forward(self, forward_input: Any, chunk: int | None = None) -> Any:
+        """Run this stage's layers (one chunk of them under an interleaved schedule). Every
+        chunk runs through here, so hooks on the module (ZeRO-3's gathers) bracket it."""
+        if chunk is None:
+            if len(self._chunks) != 1:
+                raise RuntimeError("PipelineModule with virtual_stages > 1 runs chunk by chunk: "
+                                   "net(x, chunk=c), or the engine's train_batch")
+            chunk = 0
+        c = self._chunks[chunk]
+        return self._run(c.funcs, c.names, forward_input)
+
+    def _run(self, funcs: Sequence[Callable], names: Sequence[str | None], x: Any) -> Any:
         interval = self.activation_checkpoint_interval
         if interval <= 0 or not (self.training and torch.is_grad_enabled()):
-            return _run(self.forward_funcs, forward_input)
-        x = forward_input
-        for start in range(0, len(self.forward_funcs), interval):
-            stop = min(start + interval, len(self.forward_funcs))
-            funcs = self.forward_funcs[start:stop]
-            if not self._checkpointable(start, stop):
-                x = _run(funcs, x)
+            return _run(funcs, x)
+        for start in range(0, len(funcs), interval):
+            block_funcs, block_names = funcs[start : start + interval], names[start : start + interval]
+            if not self._checkpointable(block_funcs, block_names):
+                x = _run(block_funcs, x)
                 continue
             args = x if isinstance(x, tuple) else (x,)
-            block = functools.partial(_run_args, funcs, isinstance(x, tuple))
+            block = functools.partial(_run_args, block_funcs, isinstance(x, tuple))
             if self.activation_checkpoint_func is not None:
                 x = self.activation_checkpoint_func(block, *args)
             else:
                 x = checkpoint(block, *args, use_reentrant=False)
         return x
 
-    def _checkpointable(self, start: int, stop: int) -> bool:
+    def _checkpointable(self, funcs: Sequence[Callable], names: Sequence[str | None]) -> bool:
         """Recompute a block only if it holds parameters (else there is nothing to save)
         and, with `checkpointable_layers`, one of the named layer classes."""
-        funcs = self.forward_funcs[start:stop]
         if self.checkpointable_layers is not None:
-            return any(name in self.checkpointable_layers for name in self._names[start:stop])
+            return any(name in self.checkpointable_layers for name in names)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
+
+
+class _Chunk:
+    """One contiguous run of a stage's layers: a callable the schedule runs (not a module:
+    its layers are registered once, on the PipelineModule)."""
+
+    def __init__(self, owner: PipelineModule, index: int, run: int, indices: list[int],
+                 funcs: list[Callable], names: list[str | None]):
+        self._owner, self.index, self.run, self.indices = owner, index, run, indices
+        self.funcs, self.names = funcs, names
+
+    def __call__(self, x: Any) -> Any:
+        return self._owner(x, chunk=self.index)
+
+    def parameters(self):
+        seen = set()
+        for f in self.funcs:
+            module = f.args[0] if isinstance(f, functools.partial) and f.args else f
+            if isinstance(module, nn.Module):
+                for p in module.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        yield p
+
+    def __repr__(self) -> str:
+        return f"_Chunk(run {self.run}: layers {self.indices[0]}..{self.indices[-1]})"
+
+
+def _tied_positions(layers: Sequence[Any]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        if isinstance(layer, TiedLayerSpec):
+            out.setdefault(layer.key, []).append(i)
+    return out
+
+
+def _check_pipe_slowest(topo: ProcessTopology, world: int, stages: int) -> None:
+    """A DeepSpeed topology must put the pipe axis first (slowest), as meshspeed's mesh does."""
+    if "pipe" not in topo.axes:
+        return
+    for rank in range(world):
+        if topo.get_coord(rank).pipe != stage_of(rank, world, stages):
+            raise ValueError(f"PipelineModule topology {topo}: rank {rank} is on stage "
+                             f"{topo.get_coord(rank).pipe} there, but meshspeed lays stages out as "
+                             "consecutive blocks of ranks (the 'pipe' axis first, as in "
+                             "PipeModelDataParallelTopology)")
 
 
 def _run(funcs: Sequence[Callable], x: Any) -> Any:
@@ -175,3 +321,14 @@ def _run(funcs: Sequence[Callable], x: Any) -> Any:
 
 def _run_args(funcs: Sequence[Callable], as_tuple: bool, *args: Any) -> Any:
     return _run(funcs, args if as_tuple else args[0])
+
+
+def split_sequential(model: nn.Module, num_stages: int, **kwargs: Any) -> PipelineModule:
+    """A PipelineModule over the children of a sequential model (nn.Sequential, or any
+    module whose forward applies its children in order): ``split_sequential(net, 2,
+    loss_fn=nn.CrossEntropyLoss())``. Other PipelineModule arguments pass through."""
+    children = list(model.children())
+    if not children:
+        raise ValueError(f"split_sequential: {type(model).__name__} has no child modules to split")
+    kwargs.setdefault("loss_fn", getattr(model, "loss_fn", None))
+    return PipelineModule(children, num_stages=num_stages, **kwargs)

@@ -28,6 +28,7 @@ executed here yet: schedule.py plans them, this runs "F" and "B" of one chunk pe
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -116,7 +117,8 @@ def _changed(what: str, shape, dtype, first) -> str:
 
 def run_stage(module: nn.Module, actions: Sequence[Action], *, stage: int, stages: int, group,
               inputs: Sequence[torch.Tensor] | None = None, targets: Sequence[torch.Tensor] | None = None,
-              loss_fn: Callable | None = None) -> list[float]:
+              loss_fn: Callable | None = None, loss_scale: float = 1.0, grad_pass=None,
+              timeline: list | None = None, train: bool = True, outputs: list | None = None) -> list[float]:
     """Execute `actions` (one stage's schedule) for one batch; returns the last stage's
     per-micro-batch losses (undivided), an empty list elsewhere."""
     first, last = stage == 0, stage == stages - 1
@@ -124,15 +126,20 @@ def run_stage(module: nn.Module, actions: Sequence[Action], *, stage: int, stage
     if first and (inputs is None or len(inputs) < micro):
         raise ValueError(f"the first stage needs {micro} micro-batch inputs, got "
                          f"{0 if inputs is None else len(inputs)}")
-    if last and (loss_fn is None or targets is None):
+    if last and train and (loss_fn is None or targets is None):
         raise ValueError("the last pipeline stage needs loss_fn and the micro-batches' targets")
     link = _Link(stage, group)
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: list[float] = []
     try:
-        for a in actions:
-            _run_action(a, module, link, saved, losses, first=first, last=last, micro=micro,
-                        inputs=inputs, targets=targets, loss_fn=loss_fn)
+        grad_actions = [i for i, a in enumerate(actions) if a.kind != FORWARD]
+        for i, a in enumerate(actions):
+            ctx = contextlib.nullcontext() if a.kind == FORWARD or grad_pass is None else \
+                grad_pass(a.kind, a.micro, a.chunk, i == grad_actions[-1])
+            with ctx:
+                _run_action(a, module, link, saved, losses, first=first, last=last, micro=micro,
+                            inputs=inputs, targets=targets, loss_fn=loss_fn, scale=loss_scale,
+                            train=train, outputs=outputs)
     finally:
         link.drain()  # what was sent arrives even when this stage fails (its peer then fails too)
     if saved:
@@ -142,17 +149,22 @@ def run_stage(module: nn.Module, actions: Sequence[Action], *, stage: int, stage
 
 
 def _run_action(a: Action, module, link: _Link, saved: dict, losses: list, *, first: bool, last: bool,
-                micro: int, inputs, targets, loss_fn) -> None:
+                micro: int, inputs, targets, loss_fn, scale: float, train: bool, outputs) -> None:
     if a.kind == FORWARD:
-        x = inputs[a.micro] if first else link.recv_activation(a.micro).requires_grad_()
+        x = inputs[a.micro] if first else link.recv_activation(a.micro).requires_grad_(train)
         y = module(x)
         if last:
+            if outputs is not None:
+                outputs.append(y.detach())
+            if targets is None:
+                return
             loss = loss_fn(y, targets[a.micro])
             losses.append(float(loss.detach()))
-            y = loss / micro
+            y = loss * scale / micro
         else:
             link.send_activation(y, a.micro)
-        saved[a.micro] = (None if first else x, y)
+        if train:
+            saved[a.micro] = (None if first else x, y)
     elif a.kind == BACKWARD:
         x, y = saved.pop(a.micro)
         if last:

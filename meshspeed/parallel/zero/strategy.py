@@ -169,6 +169,11 @@ class Zero:
             self.fetcher.release_all()  # inference: nothing will come back for backward
             return output
         self.fetcher.start(Pass.BACKWARD)
+        if self.root_index is not None:
+            # the root's parameters are whole through forward and backward; with several
+            # forwards in flight (pipeline schedules, or any forward-forward-backward-backward)
+            # an earlier backward's end released them, so each backward gathers them again
+            return attach_pre_backward(output, partial(self.fetcher.fetch, self.root_index, Pass.BACKWARD))
         return output
 
     def _pre_forward(self, index, module, args):
@@ -193,6 +198,9 @@ class Zero:
         # (at the boundary backward, as each unit completes); stages 2-3 reduce every
         # micro-step and keep only the owned, accumulated slice
         self.tracker.arm(self.spec.shard_grads or boundary)
+
+    def hold_reductions(self) -> None:
+        self.tracker.arm(False)  # gradients accumulate in .grad; the next boundary reduces them
 
     def _on_grad(self, index: int, param_index: int) -> None:
         unit = self.units[index]

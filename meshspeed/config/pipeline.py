@@ -1,0 +1,32 @@
+"""The `pipeline` section: DeepSpeed's pipeline block plus meshspeed's schedule choice.
+
+Owned by `meshspeed/parallel/pipeline` and `meshspeed/engine/pipeline.py`. The number
+of stages is the model's (`PipelineModule(num_stages=...)`); `stages` here, when a
+number, must agree with it. `partition` and `seed_layers` are the config spellings of
+PipelineModule's own arguments and, as in DeepSpeed, the module's arguments are what
+count; `activation_checkpoint_interval` likewise.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from meshspeed.config.base import NonNegInt, PositiveInt, StrictModel
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+
+
+class PipelineConfig(StrictModel):
+    stages: PositiveInt | Literal["auto"] = "auto"  # "auto": the model's num_stages
+    partition: str = "best"  # DeepSpeed's spelling; the module's partition_method decides
+    seed_layers: bool = False
+    activation_checkpoint_interval: NonNegInt = 0
+    # DeepSpeed sends 1/tp of each activation and all-gathers it on arrival; here every tp
+    # rank sends its whole (identical) activation to its peer: same numbers, more bytes
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+    # meshspeed: the micro-batch schedule (meshspeed/parallel/pipeline/schedule.py)
+    schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1"] = "1f1b"
+    virtual_stages: PositiveInt = Field(1)  # model chunks per stage, for "interleaved"

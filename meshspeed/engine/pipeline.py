@@ -1,0 +1,285 @@
+"""The engine of a pipelined model: `engine.train_batch()` runs one whole batch.
+
+    engine, *_ = meshspeed.initialize(model=PipelineModule(layers, num_stages=2, loss_fn=...),
+                                      config=cfg, training_data=dataset)
+    loss = engine.train_batch()          # gradient_accumulation_steps micro-batches, one step
+
+What it composes, and nothing more: the stage's layers (the PipelineModule built only this
+stage's part), the schedule's actions for this stage (`parallel/pipeline/schedule.py`,
+config `pipeline.schedule` / `virtual_stages`), the runtime that executes them over the
+mesh's pp group (`parallel/pipeline/runtime.py`), and the strategy of the stage's data-
+parallel group (DDP or ZeRO 1-3: a stage's parameters are sharded over its own dp ranks,
+nobody else's), then the ordinary optimizer step of `MeshspeedEngine`, with the gradient
+norm and the overflow check summed over the stages too.
+
+Note [micro-steps of a pipelined batch]
+The strategies count micro-steps: `begin_micro_step(boundary)` before a backward, then
+`finish_backward()`. Under GPipe and 1F1B each "B" action is one whole backward of the
+stage's layers for one micro-batch, so each is one micro-step and the last one is the
+boundary (data parallelism and ZeRO-1 reduce there, overlapped with that backward; ZeRO
+2-3 reduce each one, as under gradient accumulation). Under interleaved schedules a "B"
+covers one chunk of the stage, and under ZB-H1 a micro-batch's gradients arrive in two
+passes ("I", then "W" later, after other micro-batches' passes), so no pass is a whole
+micro-step: there the strategy holds its reductions (`hold_reductions()`: gradients
+accumulate in `.grad`, nothing is reduced) and, once the stage's last pass is done, one
+boundary reduces everything at once (not overlapped with backward; under ZeRO 2-3 the
+stage keeps its whole gradients for the batch).
+
+Note [a batch fails on every stage]
+A data iterator that runs dry mid-batch on the first or last stage must not leave the
+other stages waiting for activations that will never come. Both stages read the batch's
+micro-batches before any compute, then one 8-byte all-reduce over the world says whether
+every rank has its batch; if one does not, every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from meshspeed import comm
+from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.engine.tied_grads import TiedGrads
+from meshspeed.parallel.pipeline.runtime import run_stage
+from meshspeed.parallel.pipeline.schedule import ScheduleError, build
+
+
+class PipelineError(RuntimeError):
+    """A pipelined engine used like a plain one, or a batch that cannot run."""
+
+
+def check_pipeline(model, cfg) -> None:
+    """What initialize checks of a pipelined run before building anything."""
+    from meshspeed.config import ConfigError
+    from meshspeed.parallel.pipeline.module import PipelineModule
+
+    if not isinstance(model, PipelineModule):
+        raise ConfigError([f"a pipelined layout needs a PipelineModule, got {type(model).__name__}"])
+    pipe, v = cfg.pipeline, model.virtual_stages
+    if pipe.schedule == "interleaved":
+        if v < 2:
+            raise ConfigError([(f"pipeline.schedule \"interleaved\" needs model chunks on each stage: build "
+                               f"PipelineModule(..., virtual_stages={max(2, pipe.virtual_stages)}) "
+                               "(the layers are cut into stages x virtual_stages runs)")])
+        if "virtual_stages" in pipe.model_fields_set and pipe.virtual_stages != v:
+            raise ConfigError([(f"pipeline.virtual_stages: {pipe.virtual_stages}, but the PipelineModule was "
+                               f"built with virtual_stages={v}; make them equal or drop the key")])
+    elif v > 1:
+        raise ConfigError([(f"PipelineModule(virtual_stages={v}) runs only under pipeline.schedule "
+                           f"\"interleaved\", the config says {pipe.schedule!r}")])
+    if model.loss_fn is None:
+        raise ConfigError([("PipelineModule(loss_fn=None): the last stage computes the loss of each "
+                           "micro-batch; pass loss_fn=... (e.g. torch.nn.CrossEntropyLoss())")])
+    m = cfg.gradient_accumulation_steps
+    try:
+        build(pipe.schedule, m, model.num_stages, v)
+    except ScheduleError as err:
+        raise ConfigError([(f"pipeline.schedule {pipe.schedule!r}: {err} (the micro-batches of a batch "
+                           f"are gradient_accumulation_steps = {m})")]) from err
+    if cfg.zero_optimization.offload_optimizer is not None and \
+            cfg.zero_optimization.offload_optimizer.device == "nvme" and model.tied_stages() and \
+            any(len(s) > 1 for s in model.tied_stages().values()):
+        raise ConfigError([("tied layers across pipeline stages with offload_optimizer.device \"nvme\": "
+                           "their gradients are summed over the stages in memory; use \"cpu\"")])
+
+
+class PipelineEngine(MeshspeedEngine):
+    """What `meshspeed.initialize` returns for a PipelineModule with more than one stage."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        topo = self.topology
+        self.pp_group = topo.group("pp")
+        self.num_stages = topo.size("pp")
+        self.stage_id = topo.coord("pp")
+        self._stage_groups = [self.pp_group]
+        self._agree_over.append(self.pp_group)
+        pipe = self.config.pipeline
+        self.schedule = pipe.schedule
+        self.virtual_stages = self.module.virtual_stages
+        self._split_passes = self.schedule in ("interleaved", "zb-h1")
+        self._tied: TiedGrads | None = None
+        self._data_iterator: Iterator | None = None
+        self.timeline: list | None = None  # set to [] to record the executed schedule
+        self.agg_train_loss: torch.Tensor | None = None
+
+    def attach_tied(self, tied: TiedGrads) -> None:
+        """The tied layers' groups, made (and their copies made equal) before the strategy."""
+        self._tied = tied
+        self._norm_skip = tied.duplicates(self.strategy.master_of)
+
+    # -- DeepSpeed's pipeline API --------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """The iterator train_batch() reads when called without one."""
+        self._data_iterator = iterator
+
+    def forward(self, *args, **kwargs):
+        raise PipelineError("a pipelined engine runs whole batches: call engine.train_batch() (or "
+                            "eval_batch(data_iter)), not engine(batch) / backward / step")
+
+    def backward(self, *args, **kwargs):
+        self.forward()
+
+    def step(self, *args, **kwargs):
+        self.forward()
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps micro-batches; returns the mean
+        loss (averaged over the micro-batches and the data-parallel replicas) on every rank."""
+        if not torch.is_grad_enabled():
+            raise PipelineError("train_batch() under torch.no_grad(): gradients are needed; use "
+                                "eval_batch() to evaluate")
+        if self.config.checkpoint.async_save:
+            from meshspeed.checkpoint.engine_api import raise_pending_errors
+
+            raise_pending_errors(self)
+        self.module.train()
+        m = int(self.gradient_accumulation_steps)
+        inputs, targets = self._read_batch(data_iter, m, "train_batch")
+        actions = self._actions(m)
+        losses = self._run(actions, inputs, targets, train=True)
+        self.micro_steps += m
+        self.global_samples += self.train_batch_size()
+        self._step_applied = False
+        self._apply_step()
+        self.agg_train_loss = self._mean_loss(losses)
+        self._last_loss = self.agg_train_loss
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None):
+        """Forward gradient_accumulation_steps (or num_micro_batches) micro-batches without
+        gradients; returns the mean loss on every rank, and with return_logits also the last
+        stage's outputs (a list per micro-batch; None on other stages)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): \"avg\" or None")
+        was_training = self.module.training
+        self.module.eval()
+        m = num_micro_batches or int(self.gradient_accumulation_steps)
+        try:
+            inputs, targets = self._read_batch(data_iter, m, "eval_batch", need_targets=compute_loss)
+            outputs: list | None = [] if return_logits and self.is_last_stage() else None
+            with torch.no_grad():
+                losses = self._run(self._actions(m, forward_only=True), inputs,
+                                   targets if compute_loss else None, train=False, outputs=outputs)
+        finally:
+            self.module.train(was_training)
+        loss = None
+        if compute_loss:
+            loss = self._mean_loss(losses) if reduce_output == "avg" else (
+                torch.tensor(losses) if self.is_last_stage() else None)
+        if return_logits:
+            return loss, outputs
+        return loss
+
+    # -- one batch -------------------------------------------------------------------------------
+    def _actions(self, m: int, forward_only: bool = False):
+        try:
+            plans = build(self.schedule, m, self.num_stages, self.virtual_stages)
+        except ScheduleError as err:
+            raise PipelineError(f"pipeline.schedule {self.schedule!r} with {m} micro-batches "
+                                f"(gradient_accumulation_steps) on {self.num_stages} stages: {err}") from err
+        actions = plans[self.stage_id]
+        if forward_only:
+            actions = [a for a in actions if a.kind == "F"]
+        return actions
+
+    def _run(self, actions, inputs, targets, *, train: bool, outputs: list | None = None) -> list[float]:
+        chunks = self.module.chunks()
+        kwargs = dict(stage=self.stage_id, stages=self.num_stages, group=self.pp_group,
+                      inputs=inputs, targets=targets, loss_fn=self.module.loss_fn)
+        if not train:
+            return run_stage(chunks if len(chunks) > 1 else chunks[0], actions, train=False,
+                             outputs=outputs, **kwargs)
+        if self._split_passes:
+            self.strategy.hold_reductions()
+        losses = run_stage(chunks if len(chunks) > 1 else chunks[0], actions,
+                           loss_scale=self.loss_scaler.scale, grad_pass=self._grad_pass,
+                           timeline=self.timeline, **kwargs)
+        if self._split_passes:  # Note [micro-steps of a pipelined batch]
+            self.strategy.begin_micro_step(True)
+            self.strategy.finish_backward()
+        return losses
+
+    @contextlib.contextmanager
+    def _grad_pass(self, kind: str, micro: int, chunk: int, last: bool):
+        """Around each action that accumulates parameter gradients (Note [micro-steps of a
+        pipelined batch])."""
+        if self._split_passes:
+            yield
+            self.strategy.finish_backward()  # releases gathered stage-3 parameters; no reduction
+            self.strategy.hold_reductions()
+            return
+        self.strategy.begin_micro_step(last)
+        yield
+        self.strategy.finish_backward()
+
+    def _reduce_tied(self) -> None:
+        if self._tied is not None and self._tied.active:  # Note [summing tied gradients over stages]
+            self._tied.sum_grads(self.strategy, self.topology.coord("dp"))
+
+    def _read_batch(self, data_iter, m: int, what: str, need_targets: bool = True):
+        """Both ends of the pipeline read the micro-batches, before any compute (Note [a batch
+        fails on every stage])."""
+        first, last = self.is_first_stage(), self.is_last_stage()
+        inputs, targets, problem = None, None, ""
+        if first or (last and need_targets):
+            it = data_iter if data_iter is not None else self._default_iterator(what)
+            try:
+                batches = list(itertools.islice(it, m)) if it is not None else []
+            except Exception as err:  # noqa: BLE001 - reported on every rank below
+                batches, problem = [], f"the data iterator raised {type(err).__name__}: {err}"
+            if it is None:
+                problem = (f"{what}() without a data iterator, and initialize() was given no "
+                           "training_data; pass engine.train_batch(data_iter=iter(loader)) or "
+                           "initialize(training_data=...)")
+            elif not problem and len(batches) < m:
+                problem = (f"the data iterator ran dry after {len(batches)} of the {m} micro-batches of "
+                           f"optimizer step {self.global_steps} (gradient_accumulation_steps {m}); give "
+                           "train_batch an iterator that lasts (meshspeed.utils.RepeatingLoader) or "
+                           "stop before it ends")
+            elif not problem:
+                bad = next((b for b in batches if not (isinstance(b, (tuple, list)) and len(b) == 2)), None)
+                if bad is not None:
+                    problem = (f"a pipeline micro-batch must be a pair (inputs, labels): the first stage "
+                               f"takes inputs, the last the labels; got {type(bad).__name__}"
+                               f"{'' if not isinstance(bad, (tuple, list)) else f' of {len(bad)} items'}")
+            if not problem:
+                inputs = [b[0] for b in batches] if first else None
+                targets = [b[1] for b in batches] if last else None
+        failed = torch.tensor([1 if problem else 0], dtype=torch.int64, device=self.device)
+        comm.all_reduce(failed, op="max")
+        if problem:
+            raise PipelineError(f"{what}: rank {comm.get_rank()} (stage {self.stage_id}): {problem}")
+        if int(failed):
+            raise PipelineError(f"{what}: another rank could not read its micro-batches (its error "
+                                f"names why); stage {self.stage_id} stops too")
+        return inputs, targets
+
+    def _default_iterator(self, what: str):
+        if self._data_iterator is None and self.training_dataloader is not None:
+            from meshspeed.utils import RepeatingLoader
+
+            self._data_iterator = iter(RepeatingLoader(self.training_dataloader))
+        return self._data_iterator
+
+    def _mean_loss(self, losses: list[float]) -> torch.Tensor:
+        """The last stage's mean over micro-batches, averaged over dp, sent to every stage."""
+        loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0, dtype=torch.float32,
+                            device=self.device)
+        if self.is_last_stage() and self.dp_world_size > 1:
+            comm.all_reduce(loss, group=self.dp_group)
+            loss /= self.dp_world_size
+        comm.broadcast(loss, src=self.num_stages - 1, group=self.pp_group)
+        return loss
