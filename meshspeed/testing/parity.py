@@ -36,10 +36,13 @@ class ParitySetup:
     sequence_parallel: bool = False
     overlap: bool = False  # tensor_parallel.tp_overlap_comm
     family: str = "gpt"  # "gpt" (meshspeed.models.gpt), "llama" or "gpt2" (transformers)
+    pp: int = 1  # pipeline stages (the GPT's pipeline form, meshspeed.models.gpt_pipe)
+    schedule: str = "1f1b"  # pipeline.schedule
+    virtual: int = 1  # PipelineModule(virtual_stages=...), for "interleaved"
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
     def gpt_config(self) -> GPTConfig:
         base = {"vocab_size": 64, "max_seq_len": self.seq, "n_layer": 2, "n_head": 2,
@@ -68,6 +71,8 @@ class ParitySetup:
         if self.tp > 1:
             cfg["tensor_parallel"] = {"autotp_size": self.tp, "sequence_parallel": self.sequence_parallel,
                                       "tp_overlap_comm": self.overlap}
+        if self.pp > 1:
+            cfg["pipeline"] = {"schedule": self.schedule}
         for key, value in self.extra_config.items():
             if isinstance(value, dict) and isinstance(cfg.get(key), dict):
                 cfg[key] = {**cfg[key], **value}
@@ -76,8 +81,13 @@ class ParitySetup:
         return cfg
 
 
-def build_model(setup: ParitySetup, seed: int = 0) -> nn.Module:
+def build_model(setup: ParitySetup, seed: int = 0, stages: int = 1) -> nn.Module:
     torch.manual_seed(seed)
+    if setup.pp > 1:  # the reference is the same pipeline form in one stage
+        from meshspeed.models.gpt_pipe import GPTPipe
+
+        return GPTPipe(setup.gpt_config(), num_stages=stages, base_seed=seed + 1234,
+                       virtual_stages=setup.virtual if stages > 1 else 1)
     model = GPT(setup.gpt_config()) if setup.family == "gpt" else _hf_model(setup)
     if setup.frozen:
         for p in model.layers[0].mlp.parameters():
@@ -112,6 +122,8 @@ def _hf_model(setup: ParitySetup) -> nn.Module:
 
 def model_loss(setup: ParitySetup, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of `tokens` (B, seq + 1) under the setup's model."""
+    if setup.pp > 1:  # a one-stage pipeline form
+        return model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
     if setup.family == "gpt":
         return model(tokens[:, :-1], tokens[:, 1:])
     ids = tokens[:, :-1]  # transformers shifts the labels itself
@@ -150,10 +162,34 @@ def reference_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tens
 def engine_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Runs on every rank of an initialised world of `setup.world` ranks."""
     import meshspeed
-    model = build_model(setup)
+    model = build_model(setup, stages=setup.pp)
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=copy.deepcopy(setup.ds_config()))
+    if setup.pp > 1:
+        return train_batches(engine, setup), pipeline_state_dict(engine)
     return train_steps(engine, setup), full_state_dict(engine)
+
+
+def train_batches(engine, setup: ParitySetup, first: int = 0, last: int | None = None) -> list[float]:
+    """`engine.train_batch` over steps [first, last) of the setup's batches, this dp rank's
+    rows as (ids, targets) micro-batches; returns the loss train_batch gives every rank."""
+    rank = engine.mesh.coord("dp")
+    rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
+    losses = []
+    for batch in make_batches(setup)[first:last]:
+        micro = [(m[rows][:, :-1], m[rows][:, 1:]) for m in batch]
+        losses.append(float(engine.train_batch(iter(micro))))
+    return losses
+
+
+def pipeline_state_dict(engine) -> dict[str, torch.Tensor]:
+    """Every stage's whole parameters, merged over the pipeline group (a collective)."""
+    from meshspeed import comm
+
+    merged: dict[str, torch.Tensor] = {}
+    for part in comm.all_gather_object(full_state_dict(engine), group=engine.mesh.group("pp")):
+        merged.update(part)
+    return merged
 
 
 def train_steps(engine, setup: ParitySetup, first: int = 0, last: int | None = None) -> list[float]:
