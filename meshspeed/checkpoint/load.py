@@ -37,8 +37,10 @@ def _open(load_dir, tag) -> tuple[str, dict]:
     return path, meta
 
 
-def match_model(path: str, meta: dict, slices, strict: bool) -> list:
-    """The slices to load; a one-line error for the first parameter that does not fit."""
+def match_model(path: str, meta: dict, slices, strict: bool, model_names: set[str] | None = None) -> list:
+    """The slices to load; a one-line error for the first parameter that does not fit.
+    `model_names`: every parameter name of the whole model, when this rank holds only some
+    of them (a pipeline stage); by default this rank's slices'."""
     saved = meta["params"]
     for s in slices:  # logical (whole) shapes on both sides, whatever the tensor parallelism
         if s.name in saved and tuple(saved[s.name]["shape"]) != logical_shape(s):
@@ -46,7 +48,8 @@ def match_model(path: str, meta: dict, slices, strict: bool) -> list:
                 f"checkpoint {path} does not fit this model: parameter {s.name!r} has shape "
                 f"{tuple(saved[s.name]['shape'])} in the checkpoint but {logical_shape(s)} in the model")
     missing = [s.name for s in slices if s.name not in saved]
-    unexpected = [n for n in saved if n not in {s.name for s in slices}]
+    known = model_names if model_names is not None else {s.name for s in slices}
+    unexpected = [n for n in saved if n not in known]
     if strict and (missing or unexpected):
         which = (f"parameter {missing[0]!r} of the model is not in the checkpoint" if missing
                  else f"checkpoint parameter {unexpected[0]!r} is not in the model")
@@ -83,7 +86,7 @@ def _load_weights(engine, store: SavedTensors, slices, plans: dict[str, ReadPlan
                 raise CheckpointError(
                     f"checkpoint {store.path} does not fit this model: buffer {name!r} has shape "
                     f"{tuple(info['shape'])} in the checkpoint but {tuple(buffers[name].shape)} in the model")
-            buffers[name].copy_(store.read(rank0_file, f"buffer/{name}"))
+            buffers[name].copy_(store.read(info.get("file", rank0_file), f"buffer/{name}"))
 
 
 def _restore_groups(optimizer, meta: dict, path: str) -> None:
@@ -172,7 +175,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     path, meta = everywhere(_open, load_dir, tag)
     same_everywhere("checkpoint to load", os.path.abspath(path))
     slices = everywhere(ordered_slices, engine)
-    slices = everywhere(match_model, path, meta, slices, load_module_strict)
+    names = None
+    if engine.topology.size("pp") > 1:  # Note [a checkpoint of pipeline stages]
+        names = {n for part in comm.all_gather_object([s.name for s in slices]) for n in part}
+    slices = everywhere(match_model, path, meta, slices, load_module_strict, names)
     store = SavedTensors(path, meta)
     plans = everywhere(plan_reads, store, slices)
     everywhere(_load_weights, engine, store, slices, plans)

@@ -117,6 +117,10 @@ def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict
 def merge_rank(meta: dict[str, Any], info: dict[str, Any]) -> None:
     """Fold one rank's marker (its ranges, file checksum and RNG) into meta.json."""
     rank, file = info["rank"], info["file"]
+    for name, spec in info.get("params", {}).items():  # Note [a checkpoint of pipeline stages]
+        meta["params"].setdefault(name, {**spec, "ranges": []})
+    for name, spec in info.get("buffers", {}).items():
+        meta["buffers"].setdefault(name, {**spec, "file": file})
     for name, r in info["ranges"].items():
         entry = meta["params"][name]
         saved = {"rank": rank, "file": file, "start": r["start"], "end": r["end"],

@@ -26,6 +26,14 @@ the checkpoint before it returns, streaming, with a warning the first time
 save with training would need the step to wait, sub-group by sub-group, until the saver
 has read what it is about to rewrite; not done.
 
+Note [a checkpoint of pipeline stages]
+Every stage saves only its own layers, under their global names ("5.attn.wq.weight"), so
+rank 0 does not know every parameter: each rank's marker lists the parameters it saved
+(name, logical shape, dtype) and meta.json takes the union. A tied layer is saved once,
+from its first stage. Persistent buffers are saved by the first rank of each stage, and
+meta.json records the file of each. Loading reads each parameter by name, whatever stage
+now holds it: a pipelined checkpoint loads at any pp, tp and dp (and without a pipeline).
+
 Loading is per range already (load.py): each master range is read into one buffer and
 written to its swap file, each parameter's moments into fresh tensors that
 `optimizer.state[p] = entry` writes to their files; one parameter at a time.
@@ -177,6 +185,15 @@ def _take(t: torch.Tensor | Deferred, copy: bool) -> torch.Tensor | Deferred:
     return t
 
 
+def _first_of_stage(engine) -> bool:
+    """The rank at data, context and tensor coordinate 0 of a later pipeline stage: it
+    saves that stage's persistent buffers (rank 0 saves the first stage's)."""
+    topo = getattr(engine, "topology", None)
+    if topo is None or topo.source != "config" or topo.size("pp") == 1:
+        return False
+    return all(topo.coord(a) == 0 for a in ("dp", "cp", "tp"))
+
+
 def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
     """This rank's part of the checkpoint (rank 0 also builds the global metadata).
 
@@ -189,10 +206,15 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
     tensors: dict[str, torch.Tensor | Deferred] = {}
     ranges: dict[str, Any] = {}
     state = engine.optimizer.state
+    skip = engine.checkpoint_skips() if hasattr(engine, "checkpoint_skips") else set()
+    params: dict[str, Any] = {}  # Note [a checkpoint of pipeline stages]
     for s in slices:
-        # replicas over dp: the strategy's writer; replicas over tp: tp rank 0
-        if not s.writer or s.end == s.start or (s.tp is None and tp_rank != 0):
+        # replicas over dp: the strategy's writer; replicas over tp: tp rank 0; a tied
+        # layer's copy on a later pipeline stage: its first stage's copy is saved
+        if not s.writer or s.end == s.start or (s.tp is None and tp_rank != 0) or id(s.key) in skip:
             continue
+        params[s.name] = {"shape": list(tp_ranges.logical_shape(s)), "dtype": str(s.dtype).replace("torch.", ""),
+                          "requires_grad": bool(s.requires_grad)}
         tensors[f"master/{s.name}"] = _range_values(deferred_master(s), s)
         saved, scalars = [], {}
         for key, value in (deferred_state(state, s.key).items() if s.key in state else ()):
@@ -206,11 +228,15 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
             ranges[s.name]["tp"] = s.tp.to_json()
     rng, rng_tensors = capture_rng()
     tensors.update(rng_tensors)
-    if rank == 0:
+    buffers: dict[str, torch.Tensor] = {}
+    if rank == 0 or _first_of_stage(engine):
         buffers = persistent_buffers(engine.module)
         tensors.update({f"buffer/{name}": b for name, b in buffers.items()})
-    snap = RankSnapshot(rank, tensors, {"rank": rank, "file": rank_file(rank), "ranges": ranges,
-                                        "rng": rng})
+    info = {"rank": rank, "file": rank_file(rank), "ranges": ranges, "rng": rng, "params": params}
+    if rank != 0 and buffers:
+        info["buffers"] = {k: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", "")}
+                           for k, b in buffers.items()}
+    snap = RankSnapshot(rank, tensors, info)
     copy = copy and not snap.streams
     for name, t in tensors.items():
         tensors[name] = _take(t, copy)

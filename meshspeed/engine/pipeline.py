@@ -112,6 +112,10 @@ class PipelineEngine(MeshspeedEngine):
         self._tied = tied
         self._norm_skip = tied.duplicates(self.strategy.master_of)
 
+    def checkpoint_skips(self) -> set[int]:
+        """Masters a checkpoint leaves out: tied copies off their first stage (saved there)."""
+        return set(self._norm_skip)
+
     # -- DeepSpeed's pipeline API --------------------------------------------------------------
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
