@@ -14,9 +14,9 @@ micro-batch whose backward is split, a TorchFunctionMode sends every `F.linear` 
 nn.Linear calls) whose weight is a leaf that requires grad through `_SplitLinear`, an
 autograd function whose backward computes the input gradient `dy @ W` and the bias
 gradient, and queues (x, dy) for the weight, to which it has no edge (Note [no edge to a
-deferred weight]). `apply` later computes
-each weight's `dy^T @ x`, the one GEMM the ordinary backward would have done for it, so
-I + W does the GEMMs of one ordinary backward, no more (tests/parallel/pipeline).
+deferred weight]). `apply` later computes each weight's `dy^T @ x`, the one GEMM the
+ordinary backward would have done for it, so I + W does the GEMMs of one ordinary
+backward, no more (tests/parallel/pipeline/test_weight_grad.py).
 Parameters used by other ops (norms, embeddings, convolutions) get their gradients in I,
 as in an ordinary backward.
 
