@@ -389,46 +389,49 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
 # -- point to point ------------------------------------------------------------------------------
 
 
-def send(tensor: torch.Tensor, dst: int, group: Any = None) -> None:
-    """Blocking send to `dst`, a rank within `group`."""
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+    """Blocking send to `dst`, a rank within `group`. `tag` (>= 0) pairs it with the
+    receive of the same tag on gloo; NCCL ignores tags and pairs in order."""
     _issue(
         "send",
         _nbytes(tensor),
         group,
-        lambda: dist.send(tensor, _global(group, dst), group),
+        lambda: dist.send(tensor, _global(group, dst), group, tag),
         tensor,
     )
 
 
-def recv(tensor: torch.Tensor, src: int, group: Any = None) -> None:
-    """Blocking receive from `src`, a rank within `group`, into `tensor`."""
+def recv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> None:
+    """Blocking receive from `src`, a rank within `group`, into `tensor` (`tag`: see send)."""
     _issue(
         "recv",
         _nbytes(tensor),
         group,
-        lambda: dist.recv(tensor, _global(group, src), group),
+        lambda: dist.recv(tensor, _global(group, src), group, tag),
         tensor,
     )
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Any = None) -> Any:
-    """Non-blocking send to `dst` (a rank within `group`); returns a work handle."""
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+    """Non-blocking send to `dst` (a rank within `group`); returns a work handle (`tag`:
+    see send)."""
     return _issue(
         "send",
         _nbytes(tensor),
         group,
-        lambda: dist.isend(tensor, _global(group, dst), group),
+        lambda: dist.isend(tensor, _global(group, dst), group, tag),
         tensor,
     )
 
 
-def irecv(tensor: torch.Tensor, src: int, group: Any = None) -> Any:
-    """Non-blocking receive from `src` (a rank within `group`); returns a work handle."""
+def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> Any:
+    """Non-blocking receive from `src` (a rank within `group`); returns a work handle
+    (`tag`: see send)."""
     return _issue(
         "recv",
         _nbytes(tensor),
         group,
-        lambda: dist.irecv(tensor, _global(group, src), group),
+        lambda: dist.irecv(tensor, _global(group, src), group, tag),
         tensor,
     )
 

@@ -140,6 +140,16 @@ def zb_h1(micro_batches: int, stages: int, stage_id: int) -> list[Action]:
     return out
 
 
+def forward_only(micro_batches: int, stages: int, stage_id: int, virtual_stages: int = 1) -> list[Action]:
+    """Forwards only, for evaluation: every micro-batch through chunk 0, then through chunk 1,
+    and so on. A forward waits only on an earlier virtual stage, which runs it earlier in
+    its own list, so this cannot deadlock, for any number of micro-batches."""
+    _check_args(micro_batches, stages, stage_id)
+    if virtual_stages < 1:
+        raise ScheduleError(f"virtual_stages must be at least 1, got {virtual_stages}")
+    return [Action(FORWARD, i, c) for c in range(virtual_stages) for i in range(micro_batches)]
+
+
 SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,

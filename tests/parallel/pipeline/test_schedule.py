@@ -11,6 +11,7 @@ from meshspeed.parallel.pipeline.schedule import (
     build,
     check,
     format_schedule,
+    forward_only,
     one_f_one_b,
     simulate,
 )
@@ -38,6 +39,15 @@ def test_schedule_is_complete_has_its_bubble_and_its_memory_bound(name, v, p, m)
                         t_weight=1.0 if name == "zb-h1" else None, virtual_stages=v)
     assert timeline.bubble_fraction == pytest.approx(_bubble(name, p, m, v), abs=1e-12)
     assert timeline.peak_in_flight == [_peak(name, p, m, s, v) for s in range(p)]
+
+
+@pytest.mark.parametrize("p,m,v", [(1, 3, 2), (2, 3, 1), (4, 5, 3)])
+def test_forward_only_runs_every_chunk_once_without_deadlock(p, m, v):
+    schedule = [forward_only(m, p, s, v) for s in range(p)]
+    assert all(sorted((a.micro, a.chunk) for a in row) == [(i, c) for i in range(m) for c in range(v)]
+               for row in schedule)
+    assert all(a.kind == "F" for row in schedule for a in row)
+    simulate(schedule, virtual_stages=v)  # raises on a deadlock
 
 
 def test_zero_bubble_beats_one_f_one_b_at_the_same_memory():
