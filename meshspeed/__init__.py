@@ -26,6 +26,7 @@ _LAZY = {
     "zero": ("meshspeed.zero", None),
     "comm": ("meshspeed.comm", None),
     "checkpoint": ("meshspeed.checkpoint", None),
+    "checkpointing": ("meshspeed.checkpointing", None),
     "accelerator": ("meshspeed.accelerator", None),
     "utils": ("meshspeed.utils", None),
     "add_config_arguments": ("meshspeed.arguments", "add_config_arguments"),

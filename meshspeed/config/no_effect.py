@@ -39,14 +39,12 @@ NO_EFFECT: dict[str, str] = {
     "stage (resharded on load)",
     "checkpoint.use_node_local_storage": "checkpoints are written to one directory every rank sees",
     "checkpoint.parallel_write": "each rank writes its own shard file already",
-    "activation_checkpointing.partition_activations": "activation checkpointing is not implemented yet",
-    "activation_checkpointing.cpu_checkpointing": "activation checkpointing is not implemented yet",
-    "activation_checkpointing.contiguous_memory_optimization": "activation checkpointing is not "
-    "implemented yet",
-    "activation_checkpointing.number_checkpoints": "activation checkpointing is not implemented yet",
-    "activation_checkpointing.synchronize_checkpoint_boundary": "activation checkpointing is not "
-    "implemented yet",
-    "activation_checkpointing.profile": "activation checkpointing is not implemented yet",
+    # Note [contiguous_memory_optimization and number_checkpoints] in parallel/activation_setup.py
+    "activation_checkpointing.contiguous_memory_optimization": "kept inputs are not copied into one "
+    "buffer: every slice of a block has the same size, so the caching allocator reuses the same "
+    "blocks step after step (and host memory has nothing to defragment)",
+    "activation_checkpointing.number_checkpoints": "it sizes the contiguous buffer, which meshspeed "
+    "does not build (see contiguous_memory_optimization)",
     "wall_clock_breakdown": "meshspeed has no per-phase timers yet; use comms_logger for "
     "communication and torch.profiler for the rest",
     "dump_state": "the resolved config is available as engine.config",

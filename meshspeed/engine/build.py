@@ -29,6 +29,7 @@ from meshspeed.offload import check_host_memory, check_offload, offload_optimize
 from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, master_groups
 from meshspeed.optim.precision import build_scaler
 from meshspeed.parallel import registry
+from meshspeed.parallel.activation_setup import configure_from_config
 from meshspeed.parallel.data.ddp import DataParallel
 from meshspeed.parallel.protocol import Strategy
 from meshspeed.parallel.zero.groups import UnitGroups
@@ -99,6 +100,7 @@ def initialize(
     strategy = _build_strategy(module, dp_group, cfg, placement)
     if not isinstance(strategy, Strategy):  # a strategy missing part of the protocol
         raise TypeError(f"{type(strategy).__name__} does not implement meshspeed.parallel.protocol.Strategy")
+    configure_from_config(cfg, topology)  # the activation_checkpointing block, with the tp group
     check_host_memory(strategy, cfg)
     opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy, placement)
     registry.attach_optimizer(strategy, opt)  # for safe_get_full_optimizer_state(param, key)

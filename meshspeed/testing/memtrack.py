@@ -11,6 +11,8 @@ from gradient hooks during it, and the growth is the gradient bytes held.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,3 +56,26 @@ class StorageSampler:
     @property
     def peak(self) -> int:
         return max(self.samples)
+
+
+def saved_activation_bytes(fn: Callable, *args: Any, params: Iterable[torch.Tensor] | None = None) -> int:
+    """Bytes autograd keeps for backward while `fn(*args)` runs: the distinct storages of
+    every tensor saved for backward (by torch's ops and by custom Functions such as
+    `meshspeed.checkpointing.checkpoint`), seen through
+    `torch.autograd.graph.saved_tensors_hooks`. The storages of `params` (default: `fn`'s
+    parameters when it is a module) are left out: weights are held anyway, the question
+    is what the activations cost. Nothing is kept after the call."""
+    if params is None:
+        params = fn.parameters() if isinstance(fn, nn.Module) else ()
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())

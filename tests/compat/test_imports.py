@@ -18,7 +18,7 @@ import pytest
 SURVEY = {
     "meshspeed": ["initialize", "init_distributed", "add_config_arguments", "get_accelerator",
                   "zero", "comm", "runtime", "moe", "pipe", "ops", "utils", "accelerator",
-                  "compression", "PipelineModule"],
+                  "compression", "PipelineModule", "checkpointing"],
     "meshspeed.accelerator": ["get_accelerator"],
     "meshspeed.comm": ["get_rank", "get_world_size", "barrier", "all_reduce", "init_distributed",
                        "is_initialized", "ReduceOp"],
@@ -38,6 +38,11 @@ SURVEY = {
     "meshspeed.moe.layer": ["MoE"],
     "meshspeed.ops.adam": ["FusedAdam", "DeepSpeedCPUAdam"],
     "meshspeed.compression.helper": ["recursive_getattr", "recursive_setattr"],
+    # Megatron-DeepSpeed's megatron/training.py and model/transformer.py; DeepSpeedExamples' Megatron
+    "meshspeed.checkpointing": ["checkpoint", "configure", "is_configured", "reset",
+                                "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed"],
+    "meshspeed.runtime.activation_checkpointing.checkpointing": ["checkpoint", "configure",
+                                                                 "get_cuda_rng_tracker"],
 }
 
 # Surveyed names another piece of the drop-in work provides; checked once they are there.
