@@ -25,6 +25,13 @@ accumulate in `.grad`, nothing is reduced) and, once the stage's last pass is do
 boundary reduces everything at once (not overlapped with backward; under ZeRO 2-3 the
 stage keeps its whole gradients for the batch).
 
+Note [ZB-H1's weight pass under ZeRO-3]
+A "W" action accumulates weight gradients into parameters that ZeRO-3 has released
+between passes (autograd checks a gradient against its parameter's shape), and no module
+hook runs during it to gather them. So around each "W" the stage's parameters are
+gathered as `GatheredParameters` would, and released after: one more all-gather of the
+stage per micro-batch than 1F1B under ZeRO-3 (which gathers in forward and in backward).
+
 Note [a batch fails on every stage]
 A data iterator that runs dry mid-batch on the first or last stage must not leave the
 other stages waiting for activations that will never come. Both stages read the batch's
@@ -221,7 +228,15 @@ class PipelineEngine(MeshspeedEngine):
         """Around each action that accumulates parameter gradients (Note [micro-steps of a
         pipelined batch])."""
         if self._split_passes:
-            yield
+            token = None
+            if kind == "W" and self.strategy.shards_params:
+                # Note [ZB-H1's weight pass under ZeRO-3]
+                token = self.strategy.gather_for_user(list(self.module.parameters()))
+            try:
+                yield
+            finally:
+                if token is not None:
+                    self.strategy.release_for_user(token)
             self.strategy.finish_backward()  # releases gathered stage-3 parameters; no reduction
             self.strategy.hold_reductions()
             return

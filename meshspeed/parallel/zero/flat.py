@@ -272,7 +272,9 @@ class FlatUnit:
             self._staging = self.pool.take(self.layout.padded_numel)
             self._arrived = [False] * len(self.params)
         off = self.layout.offsets[i]
-        dst = self._staging[off : off + p.numel()]
+        # the layout's size: a released stage-3 parameter is a 0-element placeholder while
+        # its gradient (held over a pipelined batch) is whole
+        dst = self._staging[off : off + self.layout.numels[i]]
         if self._arrived[i]:  # a second gradient for the same parameter in one backward
             dst.add_(p.grad.detach().reshape(-1))
         else:

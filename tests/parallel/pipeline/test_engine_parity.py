@@ -38,3 +38,13 @@ def test_pipeline_times_tensor_parallel():
 def test_pipeline_tensor_data_parallel_on_eight_ranks():
     """pp x tp x dp = 2 x 2 x 2, with ZeRO-1 on each stage's data-parallel pair."""
     check_parity([_setups(8, pp=2, tp=2, stage=1, steps=2)])
+
+
+@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb-h1", 1)])
+def test_split_schedules_equal_one_process(schedule, virtual):
+    """Chunks per stage (interleaved) and the split backward (ZB-H1) give the same losses
+    and parameters as one process: at pp=2, and at pp=2 x dp=2 under ZeRO 1 and 3."""
+    n_layer = 6 if schedule == "interleaved" else 4  # 8 layers in 4 runs of 2
+    common = {"schedule": schedule, "virtual": virtual, "model": {"n_layer": n_layer}}
+    check_parity([_setups(2, pp=2, **common), _setups(2, pp=2, tie=True, **common)])
+    check_parity([_setups(4, pp=2, stage=s, **common) for s in (1, 3)])
