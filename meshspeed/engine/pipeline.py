@@ -112,6 +112,7 @@ class PipelineEngine(MeshspeedEngine):
         self._tied: TiedGrads | None = None
         self._data_iterator: Iterator | None = None
         self.timeline: list | None = None  # set to [] to record the executed schedule
+        self.record_timeline = False  # record each train_batch's spans (gather_timeline())
         self.agg_train_loss: torch.Tensor | None = None
 
     def attach_tied(self, tied: TiedGrads) -> None:
@@ -157,6 +158,8 @@ class PipelineEngine(MeshspeedEngine):
         self.module.train()
         m = int(self.gradient_accumulation_steps)
         inputs, targets = self._read_batch(data_iter, m, "train_batch")
+        if self.record_timeline:
+            self.timeline = []  # this batch's spans only
         actions = self._actions(m)
         losses = self._run(actions, inputs, targets, train=True)
         self.micro_steps += m
@@ -243,6 +246,21 @@ class PipelineEngine(MeshspeedEngine):
         self.strategy.begin_micro_step(last)
         yield
         self.strategy.finish_backward()
+
+    def gather_timeline(self) -> list[list]:
+        """The last recorded batch's spans of every stage (`record_timeline = True` before
+        train_batch), on every rank: a collective over the world. Each stage's spans are
+        those of its first rank (data, context and tensor coordinate 0)."""
+        from meshspeed.parallel.pipeline.timeline import Span
+
+        mine = None
+        if all(self.topology.coord(a) == 0 for a in ("dp", "cp", "tp")):
+            mine = (self.stage_id, [tuple(s) for s in (self.timeline or [])])
+        rows: list[list] = [[] for _ in range(self.num_stages)]
+        for item in comm.all_gather_object(mine):
+            if item is not None:
+                rows[item[0]] = [Span(*s) for s in item[1]]
+        return rows
 
     def _reduce_tied(self) -> None:
         if self._tied is not None and self._tied.active:  # Note [summing tied gradients over stages]
