@@ -39,6 +39,7 @@ class ParitySetup:
     pp: int = 1  # pipeline stages (the GPT's pipeline form, meshspeed.models.gpt_pipe)
     schedule: str = "1f1b"  # pipeline.schedule
     virtual: int = 1  # PipelineModule(virtual_stages=...), for "interleaved"
+    checkpoint_interval: int = 0  # PipelineModule(activation_checkpoint_interval=...), engine side
 
     @property
     def dp(self) -> int:
@@ -87,7 +88,8 @@ def build_model(setup: ParitySetup, seed: int = 0, stages: int = 1) -> nn.Module
         from meshspeed.models.gpt_pipe import GPTPipe
 
         return GPTPipe(setup.gpt_config(), num_stages=stages, base_seed=seed + 1234,
-                       virtual_stages=setup.virtual if stages > 1 else 1)
+                       virtual_stages=setup.virtual if stages > 1 else 1,
+                       activation_checkpoint_interval=setup.checkpoint_interval if stages > 1 else 0)
     model = GPT(setup.gpt_config()) if setup.family == "gpt" else _hf_model(setup)
     if setup.frozen:
         for p in model.layers[0].mlp.parameters():

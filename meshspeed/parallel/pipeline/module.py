@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from meshspeed import comm
 from meshspeed.parallel.pipeline.partition import partition
@@ -125,9 +124,12 @@ class PipelineModule(nn.Module):
         stages = _stages(num_stages, topology)
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"PipelineModule(virtual_stages={virtual_stages!r}): a positive integer")
+        # the cut first: it needs no processes, and a model that cannot be cut is the first
+        # thing to say; bounds over p * v runs, run k belongs to stage k % p as its chunk k // p
+        self.parts = partition(layers, stages * virtual_stages, partition_method)
         rank, world = _world() if stages > 1 or comm.is_initialized() else (0, 1)
         if world % stages:
-            raise ValueError(f"PipelineModule(num_stages={stages}) on {world} ranks: the number of stages "
+            raise ValueError(f"PipelineModule(num_stages={stages}) on {world} rank(s): the number of stages "
                              f"must divide the world size; use a divisor of {world}")
         self._topo = topology or PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
         if self._topo.world_size() != world:
@@ -146,8 +148,6 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
         self.num_layers = len(layers)
-        # bounds over p * v runs; run k belongs to stage k % p, as its chunk k // p
-        self.parts = partition(layers, stages * virtual_stages, partition_method)
         self._tied_positions = _tied_positions(layers)
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
@@ -253,10 +253,7 @@ class PipelineModule(nn.Module):
                 continue
             args = x if isinstance(x, tuple) else (x,)
             block = functools.partial(_run_args, block_funcs, isinstance(x, tuple))
-            if self.activation_checkpoint_func is not None:
-                x = self.activation_checkpoint_func(block, *args)
-            else:
-                x = checkpoint(block, *args, use_reentrant=False)
+            x = (self.activation_checkpoint_func or _default_checkpoint())(block, *args)
         return x
 
     def _checkpointable(self, funcs: Sequence[Callable], names: Sequence[str | None]) -> bool:
@@ -311,6 +308,14 @@ def _check_pipe_slowest(topo: ProcessTopology, world: int, stages: int) -> None:
                              f"{topo.get_coord(rank).pipe} there, but meshspeed lays stages out as "
                              "consecutive blocks of ranks (the 'pipe' axis first, as in "
                              "PipeModelDataParallelTopology)")
+
+
+def _default_checkpoint() -> Callable:
+    """DeepSpeed's default: `meshspeed.checkpointing.checkpoint` (it follows configure() and
+    the config's activation_checkpointing block: partitioned, on the host, ...)."""
+    from meshspeed.checkpointing import checkpoint
+
+    return checkpoint
 
 
 def _run(funcs: Sequence[Callable], x: Any) -> Any:

@@ -48,3 +48,8 @@ def test_split_schedules_equal_one_process(schedule, virtual):
     common = {"schedule": schedule, "virtual": virtual, "model": {"n_layer": n_layer}}
     check_parity([_setups(2, pp=2, **common), _setups(2, pp=2, tie=True, **common)])
     check_parity([_setups(4, pp=2, stage=s, **common) for s in (1, 3)])
+
+
+def test_activation_checkpointing_in_stages_changes_nothing():
+    """Every block recomputed in backward (meshspeed.checkpointing) under 1F1B and ZB-H1."""
+    check_parity([_setups(2, pp=2, checkpoint_interval=1), _setups(2, pp=2, checkpoint_interval=1, schedule="zb-h1")])
