@@ -79,8 +79,13 @@ def _walk(
     return out
 
 
+AUTO_MEANINGFUL = frozenset({"pipeline.stages"})  # DeepSpeed's own "auto": the model decides
+
+
 def _found_auto(value: Any, path: str, problems: list[str]) -> bool:
     """Report every "auto" in `value` (HF Trainer-style configs); True if there was one."""
+    if path in AUTO_MEANINGFUL:
+        return False
     if isinstance(value, str) and value == "auto":
         problems.append(f'{path}: "auto" is not supported; meshspeed needs an explicit value')
         return True

@@ -45,6 +45,14 @@ NO_EFFECT: dict[str, str] = {
     "blocks step after step (and host memory has nothing to defragment)",
     "activation_checkpointing.number_checkpoints": "it sizes the contiguous buffer, which meshspeed "
     "does not build (see contiguous_memory_optimization)",
+    "pipeline.pipe_partitioned": "every tensor-parallel rank sends its whole activation to its "
+    "peer on the next stage (the same numbers; docs/pipeline.md)",
+    "pipeline.grad_partitioned": "every tensor-parallel rank sends its whole gradient to its peer "
+    "on the previous stage (the same numbers; docs/pipeline.md)",
+    "pipeline.partition": "PipelineModule(partition_method=...) decides the cut, as in DeepSpeed",
+    "pipeline.seed_layers": "PipelineModule(seed_layers=...) decides, as in DeepSpeed",
+    "pipeline.activation_checkpoint_interval": "PipelineModule(activation_checkpoint_interval=...) "
+    "decides, as in DeepSpeed",
     "wall_clock_breakdown": "meshspeed has no per-phase timers yet; use comms_logger for "
     "communication and torch.profiler for the rest",
     "dump_state": "the resolved config is available as engine.config",

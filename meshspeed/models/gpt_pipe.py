@@ -131,9 +131,9 @@ class GPTPipe(PipelineModule):
         if self.config.tie_embeddings:
             from meshspeed.tensor_parallel.plan import PlanError
 
-            raise PlanError(["GPTPipe(tie_embeddings=True) under tensor parallelism: the tied head is "
+            raise PlanError([("GPTPipe(tie_embeddings=True) under tensor parallelism: the tied head is "
                              "not a vocab-parallel layer here; build the pipeline form with "
-                             "tie_embeddings=False for tp > 1"])
+                             "tie_embeddings=False for tp > 1")])
         names = [n for n, _ in self.named_modules() if n]
         plan = {k: v for k, v in _PLAN.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
         if not any(fnmatch.fnmatchcase(n, "*.lm_head") for n in names):
