@@ -67,6 +67,12 @@ def check_pipeline(model, cfg) -> None:
     if not isinstance(model, PipelineModule):
         raise ConfigError([f"a pipelined layout needs a PipelineModule, got {type(model).__name__}"])
     pipe, v = cfg.pipeline, model.virtual_stages
+    mp = model.topology().get_dim("model")  # 0: no model axis (PipeDataParallelTopology)
+    if mp and mp != cfg.tensor_parallel.size:
+        raise ConfigError([(f"PipelineModule topology {model.topology()} has a model axis of {mp}, but "
+                           f"tensor_parallel.autotp_size is {cfg.tensor_parallel.size}: meshspeed splits a "
+                           f"stage's layers itself; set \"tensor_parallel\": {{\"autotp_size\": {mp}}} or "
+                           "use PipeDataParallelTopology")])
     if pipe.schedule == "interleaved":
         if v < 2:
             raise ConfigError([(f"pipeline.schedule \"interleaved\" needs model chunks on each stage: build "

@@ -154,3 +154,20 @@ def test_a_bad_data_iterator_fails_every_stage(kind):
         assert "ran dry after 3 of the 4 micro-batches" in messages[0]
     else:
         assert "pair (inputs, labels)" in messages[0]
+
+
+def _topology_worker():
+    from meshspeed.pipe import PipeModelDataParallelTopology
+
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    net = PipelineModule(_specs(), topology=topo, loss_fn=nn.MSELoss())
+    try:
+        meshspeed.initialize(model=net, config=dict(CFG))
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_a_model_axis_without_tensor_parallelism_is_named():
+    message = run_distributed(_topology_worker, world_size=4)[0]
+    assert "model axis of 2" in message and '"autotp_size": 2' in message
