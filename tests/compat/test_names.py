@@ -16,7 +16,6 @@ from meshspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 from meshspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from meshspeed.pipe import (
     LayerSpec,
-    PipeDataParallelTopology,
     PipelineModule,
     PipeModelDataParallelTopology,
     ProcessTopology,
@@ -57,13 +56,14 @@ def test_one_stage_pipeline_module_runs_its_layers_in_order():
         assert torch.allclose(a.grad, b.grad), name
 
 
-@pytest.mark.parametrize("kwargs", [{"num_stages": 2}, {"topology": PipeDataParallelTopology(2, 1)},
-                                    {"topology": PipeModelDataParallelTopology(1, 2, 1)}])
-def test_more_than_one_stage_is_refused_not_run_as_data_parallel(kwargs):
-    with pytest.raises(NotImplementedError, match="not available"):
-        PipelineModule([nn.Linear(2, 2)], **kwargs)
+def test_pipeline_module_needs_stages_and_enough_layers():
+    """(Pipelines themselves: tests/parallel/pipeline/.)"""
     with pytest.raises(ValueError, match="num_stages"):
         PipelineModule([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="2 pipeline stages for 1 layers"):
+        PipelineModule([nn.Linear(2, 2)], num_stages=2)
+    with pytest.raises(ValueError, match="has 2 ranks, the job has 1"):
+        PipelineModule([nn.Linear(2, 2)], topology=PipeModelDataParallelTopology(1, 2, 1))
 
 
 def test_process_topology_rank_arithmetic():
