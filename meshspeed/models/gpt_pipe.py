@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshspeed.models.gpt import Block, GPTConfig, RMSNorm
+from meshspeed.models.gpt import GPT, Block, GPTConfig, RMSNorm
 from meshspeed.parallel.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 __all__ = ["Embedding", "GPTPipe", "LMHead", "LMLoss", "gpt_pipeline_layers", "gpt_state_to_pipe"]
@@ -98,20 +98,10 @@ def gpt_pipeline_layers(cfg: GPTConfig) -> list[LayerSpec]:
     return [first, *(LayerSpec(PipeBlock, cfg) for _ in range(cfg.n_layer)), LayerSpec(FinalNorm, cfg), last]
 
 
-_PLAN = {
-    "*.attn.wq": {"kind": "column", "multiple": "head_dim"},
-    "*.attn.wk": {"kind": "column", "multiple": "head_dim"},
-    "*.attn.wv": {"kind": "column", "multiple": "head_dim"},
-    "*.attn.wo": {"kind": "row", "multiple": "head_dim"},
-    "*.mlp.w1": "column",
-    "*.mlp.w3": "column",
-    "*.mlp.w2": "row",
-    "*.attn_norm": "sequence_norm",
-    "*.mlp_norm": "sequence_norm",
-    "*.tok_emb": "vocab",
-    "*.lm_head": "vocab_head",
-    "loss_fn.ce": "loss",
-}
+def _pipe_plan(final_norm: str) -> dict:
+    """`GPT.tp_plan` under the pipeline form's module names."""
+    renamed = {"norm": final_norm, "tok_emb": "*.tok_emb", "lm_head": "*.lm_head", "loss_fn": "loss_fn.ce"}
+    return {renamed.get(k, k.replace("layers.*.", "*.", 1)): v for k, v in GPT.tp_plan.items()}
 
 
 class GPTPipe(PipelineModule):
@@ -135,7 +125,8 @@ class GPTPipe(PipelineModule):
                              "not a vocab-parallel layer here; build the pipeline form with "
                              "tie_embeddings=False for tp > 1")])
         names = [n for n, _ in self.named_modules() if n]
-        plan = {k: v for k, v in _PLAN.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+        plan = {k: v for k, v in _pipe_plan(str(self.num_layers - 2)).items()
+                if any(fnmatch.fnmatchcase(n, k) for n in names)}
         if not any(fnmatch.fnmatchcase(n, "*.lm_head") for n in names):
             plan.pop("loss_fn.ce", None)
         return plan
