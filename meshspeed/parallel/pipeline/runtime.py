@@ -152,7 +152,7 @@ def _run_action(a: Action, module, link: _Link, saved: dict, losses: list, *, fi
                 micro: int, inputs, targets, loss_fn, scale: float, train: bool, outputs) -> None:
     if a.kind == FORWARD:
         x = inputs[a.micro] if first else link.recv_activation(a.micro).requires_grad_(train)
-        y = module(x)
+        y = module(x.clone() if train and not first else x)  # leaf x: ReLU(inplace=True) first
         if last:
             if outputs is not None:
                 outputs.append(y.detach())
