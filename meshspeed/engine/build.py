@@ -110,6 +110,7 @@ def initialize(
         loader = distributed_dataloader(
             training_data, cfg.train_micro_batch_size_per_gpu, dp_rank=topology.coord("dp"),
             dp_size=dp_size, seed=dataloader_seed, collate_fn=collate_fn,
+            shuffle=not pipelined,  # DeepSpeed's PipelineEngine reads training_data in order
         )
     comm_logger = _build_comm_logger(cfg)
     engine = (PipelineEngine if pipelined else MeshspeedEngine)(
