@@ -1,4 +1,4 @@
-"""What the DeepSpeed-path names do: pipeline layer specs (one stage), process topologies,
+"""What the DeepSpeed-path names do: pipeline layer specs, process topologies,
 MoE parameter groups, DeepSpeed's Adam classes, the runtime/compression helpers."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from meshspeed.pipe import (
     TiedLayerSpec,
 )
 from meshspeed.runtime.utils import see_memory_usage, set_random_seed
+from meshspeed.testing import run_distributed
 
 
 # -- pipe -----------------------------------------------------------------------------------
@@ -57,11 +58,29 @@ def test_one_stage_pipeline_module_runs_its_layers_in_order():
         assert torch.allclose(a.grad, b.grad), name
 
 
-@pytest.mark.parametrize("kwargs", [{"num_stages": 2}, {"topology": PipeDataParallelTopology(2, 1)},
-                                    {"topology": PipeModelDataParallelTopology(1, 2, 1)}])
-def test_more_than_one_stage_is_refused_not_run_as_data_parallel(kwargs):
-    with pytest.raises(NotImplementedError, match="not available"):
-        PipelineModule([nn.Linear(2, 2)], **kwargs)
+_TOPOLOGIES = {"pipe-data": PipeDataParallelTopology, "pipe-model-data": PipeModelDataParallelTopology}
+
+
+def _refusal(kind, dims):
+    """PipelineModule's error for this many stages or this topology (topologies do not pickle)."""
+    kwargs = {"num_stages": dims} if kind == "num_stages" else {"topology": _TOPOLOGIES[kind](*dims)}
+    try:
+        PipelineModule([nn.Linear(2, 2), nn.ReLU()], **kwargs)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize(("kind", "dims", "message"), [
+    ("num_stages", 2, "num_stages=2) on 1 ranks: the number of stages must divide the world size"),
+    ("pipe-data", (2, 1), "num_stages=2) on 1 ranks"),
+    ("pipe-model-data", (1, 2, 1), "has 2 ranks, the job has 1"),
+])
+def test_more_stages_than_the_job_has_ranks_is_refused(kind, dims, message):
+    """(Several stages run: tests/parallel/pipeline, tests/compat/test_pipeline_example.py.)
+    In a worker process, so that the test process makes no process group."""
+    [got] = run_distributed(_refusal, world_size=1, args=(kind, dims))
+    assert got is not None and message in got, got
     with pytest.raises(ValueError, match="num_stages"):
         PipelineModule([nn.Linear(2, 2)])
 
