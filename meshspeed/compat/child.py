@@ -9,10 +9,18 @@ script that does not accept it is run with --no_local_rank, as under DeepSpeed),
 environment variables LOCAL_SIZE, CROSS_RANK and CROSS_SIZE. The target then runs as
 ``python TARGET ARGS`` (or ``python -m TARGET ARGS``) would run it: as __main__, with
 sys.argv and sys.path[0] set the same way, with the deepspeed alias already installed.
+
+DeepSpeed prints its log at import: its logger writes INFO and above to stdout, and many
+scripts print nothing else (DeepSpeedExamples' pipeline example shows its progress only
+through the engine's `steps_per_print` lines). meshspeed as a library leaves logging to
+the program, so here, where the program was written for DeepSpeed, the "meshspeed" logger
+gets the same: INFO and above to stdout (`deepspeed_logging`), unless something configured
+it already.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -33,6 +41,21 @@ def deepspeed_env(environ) -> dict[str, str]:
     return {k: v for k, v in derived.items() if v is not None and k not in environ}
 
 
+def deepspeed_logging(name: str = "meshspeed") -> logging.Logger:
+    """The logger `name` as DeepSpeed sets up its own: INFO and above, one line each, to
+    stdout, not passed on to the root logger. A logger that has a handler already, or a
+    level of its own, is left as it is."""
+    logger = logging.getLogger(name)
+    if logger.handlers or logger.level != logging.NOTSET:
+        return logger
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     module, local_rank = False, True
@@ -47,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     # The shim on PYTHONPATH would install the alias during the script's first deepspeed
     # import, too late to word that statement's own errors (Note [the deepspeed alias]).
     install()
+    deepspeed_logging()
     os.environ.update(deepspeed_env(os.environ))
     sys.argv = child_argv(target, args, os.environ, local_rank)
     if module:  # `python -m` keeps the working directory as sys.path[0], as we were started

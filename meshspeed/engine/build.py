@@ -31,6 +31,7 @@ from meshspeed.optim.precision import build_scaler
 from meshspeed.parallel import registry
 from meshspeed.parallel.activation_setup import configure_from_config
 from meshspeed.parallel.data.ddp import DataParallel
+from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.parallel.protocol import Strategy
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import cast_partitioned, gather_partitioned, is_partitioned
@@ -89,7 +90,7 @@ def initialize(
         raise ValueError(f"initialize(model=...): {type(model).__name__} has no trainable parameters "
                          f"({count} parameters, all with requires_grad=False); unfreeze some "
                          "(p.requires_grad_(True)) or run the model without an engine for inference")
-    pipelined = topology.size("pp") > 1
+    pipelined = isinstance(model, PipelineModule)  # any number of stages: DeepSpeed's engine
     if pipelined:
         check_pipeline(model, cfg)
     model = split_tensor_parallel(model, topology, cfg.tensor_parallel, cfg.precision_dtype)
@@ -112,6 +113,7 @@ def initialize(
         loader = distributed_dataloader(
             training_data, cfg.train_micro_batch_size_per_gpu, dp_rank=topology.coord("dp"),
             dp_size=dp_size, seed=dataloader_seed, collate_fn=collate_fn,
+            shuffle=not pipelined,  # DeepSpeed's PipelineEngine reads training_data in order
         )
     comm_logger = _build_comm_logger(cfg)
     engine = (PipelineEngine if pipelined else MeshspeedEngine)(

@@ -141,15 +141,24 @@ class PipelineEngine(MeshspeedEngine):
         """The iterator train_batch() reads when called without one."""
         self._data_iterator = iterator
 
+    def _one_stage_only(self, what: str) -> None:
+        if self.num_stages > 1:
+            raise PipelineError(f"engine.{what} on a {self.num_stages}-stage pipeline: a pipelined engine "
+                                "runs whole batches; call engine.train_batch() (or eval_batch(data_iter))")
+
+    # With one stage the module is an ordinary model: the micro-step loop works too (more
+    # than DeepSpeed's PipelineEngine allows; nothing in it needs a pipeline)
     def forward(self, *args, **kwargs):
-        raise PipelineError("a pipelined engine runs whole batches: call engine.train_batch() (or "
-                            "eval_batch(data_iter)), not engine(batch) / backward / step")
+        self._one_stage_only("forward (engine(batch))")
+        return super().forward(*args, **kwargs)
 
     def backward(self, *args, **kwargs):
-        self.forward()
+        self._one_stage_only("backward()")
+        return super().backward(*args, **kwargs)
 
     def step(self, *args, **kwargs):
-        self.forward()
+        self._one_stage_only("step()")
+        return super().step(*args, **kwargs)
 
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over gradient_accumulation_steps micro-batches; returns the mean
@@ -168,12 +177,12 @@ class PipelineEngine(MeshspeedEngine):
             self.timeline = []  # this batch's spans only
         actions = self._actions(m)
         losses = self._run(actions, inputs, targets, train=True)
+        self.agg_train_loss = self._mean_loss(losses)
+        self._last_loss = self.agg_train_loss  # before the step: its log line prints this batch's
         self.micro_steps += m
         self.global_samples += self.train_batch_size()
         self._step_applied = False
         self._apply_step()
-        self.agg_train_loss = self._mean_loss(losses)
-        self._last_loss = self.agg_train_loss
         return self.agg_train_loss
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,

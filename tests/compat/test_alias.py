@@ -123,3 +123,28 @@ def test_first_statement_of_a_launched_script_gets_the_clear_error(tmp_path):
     assert proc.stdout.startswith("['--local_rank=1', '--x'] cannot import name 'nonexistent_thing' "
                                   "from 'deepspeed.accelerator'"), proc.stdout
     assert "not provided" in proc.stdout
+
+
+def test_launched_script_gets_meshspeed_log_lines_on_stdout_as_deepspeed_prints_its_own(tmp_path):
+    script = tmp_path / "logs.py"
+    script.write_text("import logging\n"
+                      "from deepspeed.utils import log_dist\n"
+                      "log_dist('hello from the engine', ranks=[0])\n"
+                      "logging.getLogger('meshspeed.engine').debug('below INFO')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-m", "meshspeed.compat.child", str(script)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[INFO] [meshspeed] [rank 0] hello from the engine" in proc.stdout, proc.stdout
+    assert "below INFO" not in proc.stdout + proc.stderr
+
+
+def test_deepspeed_logging_leaves_a_configured_logger_alone():
+    import logging
+
+    configured = logging.getLogger("meshspeed-test-configured")
+    configured.setLevel(logging.WARNING)
+    assert child.deepspeed_logging(configured.name).handlers == []
+    fresh = child.deepspeed_logging("meshspeed-test-fresh")
+    assert fresh.level == logging.INFO and len(fresh.handlers) == 1 and not fresh.propagate
+    assert child.deepspeed_logging(fresh.name).handlers == fresh.handlers  # once

@@ -1,4 +1,4 @@
-"""What the DeepSpeed-path names do: pipeline layer specs (one stage), process topologies,
+"""What the DeepSpeed-path names do: pipeline layer specs, process topologies,
 MoE parameter groups, DeepSpeed's Adam classes, the runtime/compression helpers."""
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from meshspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 from meshspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from meshspeed.pipe import (
     LayerSpec,
+    PipeDataParallelTopology,
     PipelineModule,
     PipeModelDataParallelTopology,
     ProcessTopology,
     TiedLayerSpec,
 )
 from meshspeed.runtime.utils import see_memory_usage, set_random_seed
+from meshspeed.testing import run_distributed
 
 
 # -- pipe -----------------------------------------------------------------------------------
@@ -56,8 +58,32 @@ def test_one_stage_pipeline_module_runs_its_layers_in_order():
         assert torch.allclose(a.grad, b.grad), name
 
 
+_TOPOLOGIES = {"pipe-data": PipeDataParallelTopology, "pipe-model-data": PipeModelDataParallelTopology}
+
+
+def _refusal(kind, dims):
+    """PipelineModule's error for this many stages or this topology (topologies do not pickle)."""
+    kwargs = {"num_stages": dims} if kind == "num_stages" else {"topology": _TOPOLOGIES[kind](*dims)}
+    try:
+        PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], **kwargs)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize(("kind", "dims", "message"), [
+    ("num_stages", 2, "num_stages=2) on 1 rank(s): the number of stages must divide the world size"),
+    ("pipe-data", (2, 1), "num_stages=2) on 1 rank(s)"),
+    ("pipe-model-data", (1, 2, 1), "has 2 ranks, the job has 1"),
+])
+def test_more_stages_than_the_job_has_ranks_is_refused(kind, dims, message):
+    """(Several stages run: tests/parallel/pipeline, tests/compat/test_pipeline_example.py.)
+    In a worker process, so that the test process makes no process group."""
+    [got] = run_distributed(_refusal, world_size=1, args=(kind, dims))
+    assert got is not None and message in got, got
+
+
 def test_pipeline_module_needs_stages_and_enough_layers():
-    """(Pipelines themselves: tests/parallel/pipeline/.)"""
     with pytest.raises(ValueError, match="num_stages"):
         PipelineModule([nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="2 pipeline stages for 1 layers"):

@@ -184,7 +184,9 @@ class _Runner:
         start = time.perf_counter()
         deferred = DeferredWeights() if (a.micro, a.chunk) in self.split else None
         with deferred.capture() if deferred is not None else contextlib.nullcontext():
-            y = self.chunks[a.chunk](x)
+            # the received leaves stay untouched (their .grad goes upstream): a stage that
+            # starts with an in-place layer (ReLU(inplace=True)) works on a copy
+            y = self.chunks[a.chunk](_copied(x) if leaves else x)
         if at == self.last:
             if self.want_outputs:
                 self.outputs[a.micro] = _detached(y)
@@ -243,3 +245,12 @@ class _Runner:
 
 def _detached(y):
     return tuple(t.detach() for t in y) if isinstance(y, (tuple, list)) else y.detach()
+
+
+def _copied(x):
+    """`x` (a tensor or tuple) with every tensor that requires grad cloned."""
+    if isinstance(x, torch.Tensor):
+        return x.clone() if x.requires_grad else x
+    if isinstance(x, tuple):
+        return tuple(_copied(t) for t in x)
+    return x

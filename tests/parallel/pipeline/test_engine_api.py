@@ -171,3 +171,22 @@ def _topology_worker():
 def test_a_model_axis_without_tensor_parallelism_is_named():
     message = run_distributed(_topology_worker, world_size=4)[0]
     assert "model axis of 2" in message and '"autotp_size": 2' in message
+
+
+def _one_stage_worker():
+    net = PipelineModule(_specs(), num_stages=1, loss_fn=nn.MSELoss(), seed_layers=True)
+    engine, *_ = meshspeed.initialize(model=net, config={**CFG, "gradient_accumulation_steps": 2})
+    rank = engine.mesh.coord("dp")
+    batches = [(x[rank : rank + 1], y[rank : rank + 1]) for x, y in _batches(4)]
+    loss = engine.train_batch(iter(batches[:2]))
+    return type(engine).__name__, float(loss), float(engine._last_loss), engine.is_first_stage() and engine.is_last_stage()
+
+
+def test_one_stage_pipeline_module_trains_with_train_batch():
+    """DeepSpeed gives a PipelineModule of one stage its pipeline engine too (the example's -p 1)."""
+    (name, loss, logged, ends), other = run_distributed(_one_stage_worker, world_size=2)
+    assert name == "PipelineEngine" and ends and loss == logged == pytest.approx(other[1], rel=1e-6)
+    net = PipelineModule(_specs(), num_stages=1, loss_fn=nn.MSELoss(), seed_layers=True)
+    with torch.no_grad():  # the mean over both ranks' rows of the first two micro-batches
+        ref = sum(net.loss_fn(net(x[r : r + 1]), y[r : r + 1]).item() for x, y in _batches(2) for r in (0, 1)) / 4
+    assert loss == pytest.approx(ref, rel=1e-6)
