@@ -178,7 +178,7 @@ def draw(spans: Sequence[Sequence[Span]], output: str | Path, *, title: str, uni
               ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout()
     output = Path(output)
-    fig.savefig(output, format="png")
+    fig.savefig(output, format="png", bbox_inches="tight")
     return output
 
 
