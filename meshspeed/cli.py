@@ -14,6 +14,7 @@ _COMMANDS = {
     "estimate": ("meshspeed.planner.cli", "estimate memory per device for a ZeRO configuration"),
     "convert": ("meshspeed.checkpoint.cli", "consolidate a sharded checkpoint into one file"),
     "aio-bench": ("meshspeed.offload.aio_bench", "measure the NVMe swap engine's bandwidth"),
+    "pipeline-plot": ("meshspeed.parallel.pipeline.plot", "draw a pipeline schedule as executed (Gantt chart PNG)"),
 }
 
 
