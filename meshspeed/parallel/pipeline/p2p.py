@@ -127,6 +127,17 @@ def _changed(what: str, spec: Spec, first: Spec) -> str:
             "micro-batches)")
 
 
+# Note [receives posted together]
+# gloo moves a message only once its receive is posted, and a receive posted while the
+# sender's compute thread holds the core waits for the sender's I/O thread to wake: a
+# header received, then the data, paid that wake-up twice per transfer (2.5-5 ms against
+# 0.5 ms for one message, measured in benchmarks/pipeline_findings.md). From a chunk's
+# second micro-batch on the shapes are known, so the header and data receives are posted
+# together and waited in turn; the header is still checked before the data is used, and a
+# changed shape is still the same PipelineShapeError. Gradients likewise: their flags and
+# the gradients at once, when the first micro-batch had a gradient for every output.
+
+
 class Link:
     """This stage's point-to-point traffic with the neighbouring virtual stages in `group`
     (whose ranks are the stage ids)."""
@@ -140,6 +151,8 @@ class Link:
         self._received: dict[int, Spec] = {}  # chunk -> the first micro-batch's input
         self._pending: list[tuple[object, torch.Tensor]] = []  # sends in flight, their buffers
         self._local: dict[int, torch.Tensor] = {}  # tag -> a message to this very stage
+        self._all_flagged: dict[int, bool] = {}  # chunk -> every output had a gradient (first micro)
+        self._sent_all_grads: dict[int, bool] = {}  # chunk -> every input had one (first micro)
 
     # -- neighbours (Note [virtual stages and their neighbours]) --------------------------------
     def next_of(self, chunk: int) -> tuple[int, int]:
@@ -167,6 +180,11 @@ class Link:
         spec = (is_tuple, tuple((t.shape, t.dtype) for t in tensors))
         first = self._sent.setdefault(chunk, spec)
         if spec != first:
+            # the receiver has posted data receives of the first shapes (Note [receives posted
+            # together]): fill them with zeros, so nothing is left waiting, then fail
+            for i, (shape, dtype) in enumerate(first[1]):
+                self._send(torch.zeros(shape, dtype=dtype, device=self.device), dst,
+                           tag(_ACTIVATION, micro, chunk, i, _DATA))
             raise PipelineShapeError(_changed(f"{self.name(self.stage, chunk)}: micro-batch {micro}'s "
                                               "output", spec, first))
         for i, t in enumerate(tensors):
@@ -175,6 +193,8 @@ class Link:
     def recv_activation(self, micro: int, chunk: int):
         """The input of this stage's `chunk` for `micro`: a tensor, or a tuple of them."""
         src, src_chunk = self.prev_of(chunk)
+        if chunk in self._received and src != self.stage:
+            return self._recv_expected(micro, chunk, src, src_chunk)
         h = self._recv(self._empty(_HEADER, torch.int64), src, tag(_ACTIVATION, micro, src_chunk, 0, _HEAD))
         count, is_tuple, shape, dtype = _read(h)
         parts = [(shape, dtype)]
@@ -191,26 +211,77 @@ class Link:
                    for i, (s, d) in enumerate(parts)]
         return tuple(tensors) if is_tuple else tensors[0]
 
+    def _recv_expected(self, micro: int, chunk: int, src: int, src_chunk: int):
+        """Note [receives posted together]: headers and data in flight at once, the data
+        into buffers of the first micro-batch's shapes; the headers are still checked."""
+        first = self._received[chunk]
+        is_tuple, parts = first
+        heads = [self._empty(_HEADER, torch.int64) for _ in parts]
+        datas = [self._empty(shape, dtype) for shape, dtype in parts]
+        head_works = [comm.irecv(h, src=src, group=self.group, tag=tag(_ACTIVATION, micro, src_chunk, i, _HEAD))
+                      for i, h in enumerate(heads)]
+        data_works = [comm.irecv(d, src=src, group=self.group, tag=tag(_ACTIVATION, micro, src_chunk, i, _DATA))
+                      for i, d in enumerate(datas)]
+        for work in head_works:
+            work.wait()
+        got = [_read(h) for h in heads]
+        spec = (got[0][1], tuple(g[2:] for g in got))
+        if got[0][0] != len(parts) or spec != first:
+            for work in data_works:  # the sender fills them with zeros before it fails
+                work.wait()
+            raise PipelineShapeError(_changed(f"{self.name(self.stage, chunk)}: micro-batch {micro}'s input "
+                                              f"from {self.name(src, src_chunk)}", spec, first))
+        for work in data_works:
+            work.wait()
+        return tuple(datas) if is_tuple else datas[0]
+
     # -- gradients (Note [tuples: only floating tensors carry gradients]) -------------------------
-    def send_grads(self, grads: list[torch.Tensor | None], micro: int, chunk: int) -> None:
+    def send_grads(self, grads: list[torch.Tensor | None], micro: int, chunk: int,
+                   likes: list[torch.Tensor] | None = None) -> None:
         """Send the gradients of this chunk's floating inputs (None: it has none) to the
-        previous virtual stage: their flags, then the ones that exist."""
+        previous virtual stage: their flags, then the ones that exist. Once the first
+        micro-batch had all of them, a missing one goes as zeros of `likes[i]`'s shape
+        (flagged absent: Note [receives posted together])."""
         dst = self.prev_of(chunk)[0]
         flags = torch.tensor([g is not None for g in grads], dtype=torch.int64, device=self.device)
         self._send(flags, dst, tag(_GRADIENT, micro, chunk, 0, _HEAD))
+        complete = self._sent_all_grads.setdefault(chunk, all(g is not None for g in grads))
         for i, g in enumerate(grads):
             if g is not None:
                 self._send(g.detach().contiguous(), dst, tag(_GRADIENT, micro, chunk, i, _DATA))
+            elif complete and dst != self.stage:
+                if likes is None:
+                    raise ValueError("send_grads: a gradient missing after a complete first micro-batch "
+                                     "needs likes= (the inputs) to fill its posted receive")
+                self._send(torch.zeros_like(likes[i], memory_format=torch.contiguous_format), dst,
+                           tag(_GRADIENT, micro, chunk, i, _DATA))
 
     def recv_grads(self, outputs: list[torch.Tensor], micro: int, chunk: int) -> list[torch.Tensor | None]:
         """The gradients of this chunk's floating `outputs` from the next virtual stage
         (None where it has none)."""
         src, src_chunk = self.next_of(chunk)
+        if src != self.stage and self._all_flagged.get(chunk):
+            return self._recv_all_grads(outputs, micro, chunk, src, src_chunk)
         flags = self._recv(self._empty(len(outputs), torch.int64), src,
                            tag(_GRADIENT, micro, src_chunk, 0, _HEAD)).tolist()
+        self._all_flagged.setdefault(chunk, all(flags))
         return [self._recv(torch.empty_like(y, memory_format=torch.contiguous_format), src,
                            tag(_GRADIENT, micro, src_chunk, i, _DATA)) if flag else None
                 for i, (y, flag) in enumerate(zip(outputs, flags))]
+
+    def _recv_all_grads(self, outputs, micro: int, chunk: int, src: int, src_chunk: int):
+        """Every output had a gradient in the first micro-batch: flags and gradients posted
+        together (Note [receives posted together]); a gradient now missing arrives as
+        zeros and is returned as None, as usual."""
+        flags_buf = self._empty(len(outputs), torch.int64)
+        grads = [torch.empty_like(y, memory_format=torch.contiguous_format) for y in outputs]
+        flag_work = comm.irecv(flags_buf, src=src, group=self.group, tag=tag(_GRADIENT, micro, src_chunk, 0, _HEAD))
+        works = [comm.irecv(g, src=src, group=self.group, tag=tag(_GRADIENT, micro, src_chunk, i, _DATA))
+                 for i, g in enumerate(grads)]
+        flag_work.wait()
+        for work in works:  # an absent one arrives as zeros (send_grads)
+            work.wait()
+        return [g if flag else None for flag, g in zip(flags_buf.tolist(), grads)]
 
     # -- transport -------------------------------------------------------------------------------
     def _empty(self, shape, dtype: torch.dtype) -> torch.Tensor:

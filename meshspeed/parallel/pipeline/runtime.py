@@ -217,7 +217,7 @@ class _Runner:
             if pairs:
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         if at != self.first:
-            self.link.send_grads([x.grad for x in s.inputs], a.micro, a.chunk)
+            self.link.send_grads([x.grad for x in s.inputs], a.micro, a.chunk, likes=s.inputs)
         if a.kind == INPUT_GRAD:
             self.weights[(a.micro, a.chunk)] = s.deferred
         return start
