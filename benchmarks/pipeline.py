@@ -618,15 +618,9 @@ def markdown(rows, ds, cfg: ModelConfig, args, command: str, machine: dict) -> s
 
 
 def write_docs(section: str, path: Path, key: str = "pipeline.py") -> None:
-    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
-    block = f"{start}\n{section}{end}\n"
-    old = path.read_text()
-    if start in old and end in old:
-        head, rest = old.split(start, 1)
-        new = head + block + rest.split(end, 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    path.write_text(new)
+    from zero_report import replace_section
+
+    replace_section(section, path, key)
 
 
 def main(argv=None) -> None:

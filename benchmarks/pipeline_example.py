@@ -303,15 +303,9 @@ def markdown(results: dict, args, failures: dict) -> str:
 
 
 def write_docs(section: str, path: Path, key: str = "pipeline_example.py") -> None:
-    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
-    old = path.read_text()
-    block = f"{start}\n{section}{end}"
-    if start in old and end in old:
-        head, rest = old.split(start, 1)
-        new = head + block + rest.split(end, 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(new)
+    from zero_report import replace_section
+
+    replace_section(section, path, key)
 
 
 def main() -> None:

@@ -274,15 +274,9 @@ def markdown(rows: list[dict], setup: Setup, command: str, machine: dict, params
 
 
 def write_docs(section: str, path: Path, key: str = "tensor_parallel.py") -> None:
-    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
-    block = f"{start}\n{section}{end}\n"
-    old = path.read_text()
-    if start in old and end in old:
-        head, rest = old.split(start, 1)
-        new = head + block + rest.split(end, 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    path.write_text(new)
+    from zero_report import replace_section
+
+    replace_section(section, path, key)
 
 
 # -- entry point --------------------------------------------------------------------------------

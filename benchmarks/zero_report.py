@@ -256,6 +256,21 @@ def render_markdown(rows: dict[str, dict], setup, world: int, psi: int, command:
     return "\n".join(lines) + "\n"
 
 
+def replace_section(section: str, path: Path, key: str) -> None:
+    """Put `section` between `<!-- key:start -->` and `<!-- key:end -->` in the markdown file
+    at `path`, replacing what was there, or append it with its markers (every benchmark's
+    docs/benchmarks.md section but zero.py's, which keeps its runs together: write_docs)."""
+    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
+    block = f"{start}\n{section}{end}\n"
+    old = path.read_text()
+    if start in old and end in old:
+        head, rest = old.split(start, 1)
+        new = head + block + rest.split(end, 1)[1]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block
+    path.write_text(new)
+
+
 def write_docs(section: str, path: Path, key: str | None = None) -> None:
     """Replace the section of run `key` (e.g. default-fp32-2) in the markdown file at `path`,
     keeping every other; a new key's section goes after the last zero.py section (or at the
