@@ -265,7 +265,8 @@ def replace_section(section: str, path: Path, key: str) -> None:
     old = path.read_text()
     if start in old and end in old:
         head, rest = old.split(start, 1)
-        new = head + block + rest.split(end, 1)[1]
+        tail = rest.split(end, 1)[1].lstrip("\n")  # block ends in a newline: none added per rewrite
+        new = head + block + ("\n" + tail if tail else "")
     else:
         new = old.rstrip("\n") + "\n\n" + block
     path.write_text(new)
