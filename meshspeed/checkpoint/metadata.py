@@ -70,6 +70,11 @@ def json_options(options: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def param_spec(s) -> dict[str, Any]:
+    """What meta.json says of a saved parameter besides its ranges (an OwnedSlice `s`)."""
+    return {"shape": list(logical_shape(s)), "dtype": dtype_name(s.dtype), "requires_grad": bool(s.requires_grad)}
+
+
 def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict[str, torch.Tensor],
                 client_json: Any, client_keys: list[str], tp_size: int = 1) -> dict[str, Any]:
     """The rank-independent part of meta.json, built on rank 0 at save time."""
@@ -92,8 +97,7 @@ def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict
         "layout": {"world_size": comm.get_world_size(), "dp_size": engine.dp_world_size,
                    "tp_size": tp_size, "zero_stage": engine.config.zero_stage,
                    "compute_dtype": dtype_name(engine.config.precision_dtype)},
-        "params": {s.name: {"shape": list(logical_shape(s)), "dtype": dtype_name(s.dtype),
-                            "requires_grad": bool(s.requires_grad), "ranges": []} for s in slices},
+        "params": {s.name: {**param_spec(s), "ranges": []} for s in slices},
         "aliases": aliases,
         "buffers": {k: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for k, b in buffers.items()},
         "optimizer": {"class": type(opt).__name__, "param_groups": groups},

@@ -51,7 +51,7 @@ from meshspeed import comm
 from meshspeed.checkpoint import tp_ranges
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import capture_rng, encode_client_state
-from meshspeed.checkpoint.metadata import global_meta
+from meshspeed.checkpoint.metadata import dtype_name, global_meta, param_spec
 from meshspeed.checkpoint.paths import rank_file
 from meshspeed.parallel.slices import Deferred, deferred_master, deferred_state
 from meshspeed.tensor_parallel.spec import shards_by_param
@@ -167,7 +167,7 @@ def _is_range_state(key: str, value: Any, param: torch.Tensor) -> bool:
 def _scalar(key: str, value: Any, name: str) -> dict[str, Any]:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         # fused/capturable optimizers keep "step" on the parameter's device; others on the CPU
-        return {"value": value.item(), "dtype": str(value.dtype).replace("torch.", ""),
+        return {"value": value.item(), "dtype": dtype_name(value.dtype),
                 "shape": list(value.shape), "on_device": value.device.type != "cpu"}
     if value is None or isinstance(value, (bool, int, float)):
         return {"value": value}
@@ -213,8 +213,7 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
         # layer's copy on a later pipeline stage: its first stage's copy is saved
         if not s.writer or s.end == s.start or (s.tp is None and tp_rank != 0) or id(s.key) in skip:
             continue
-        params[s.name] = {"shape": list(tp_ranges.logical_shape(s)), "dtype": str(s.dtype).replace("torch.", ""),
-                          "requires_grad": bool(s.requires_grad)}
+        params[s.name] = param_spec(s)
         tensors[f"master/{s.name}"] = _range_values(deferred_master(s), s)
         saved, scalars = [], {}
         for key, value in (deferred_state(state, s.key).items() if s.key in state else ()):
@@ -234,7 +233,7 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
         tensors.update({f"buffer/{name}": b for name, b in buffers.items()})
     info = {"rank": rank, "file": rank_file(rank), "ranges": ranges, "rng": rng, "params": params}
     if rank != 0 and buffers:
-        info["buffers"] = {k: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", "")}
+        info["buffers"] = {k: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
                            for k, b in buffers.items()}
     snap = RankSnapshot(rank, tensors, info)
     copy = copy and not snap.streams
