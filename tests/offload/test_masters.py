@@ -70,12 +70,14 @@ def test_masters_are_not_resident(tmp_path):
 
 
 def test_rss_drops_by_the_state_on_disk(tmp_path):
-    """Measured process RSS (one rank, bf16, stage 3, offload_param nvme, ~3.7M parameters,
+    """Measured process RSS (one rank, bf16, stage 3, offload_param nvme, ~10M parameters,
     each run in a fresh process after a warm-up): with offload_optimizer "nvme" the peak
-    grows by at least 8 of the 12 bytes a parameter less than with "cpu" (fp32 masters
+    grows by at least 6 of the 12 bytes a parameter less than with "cpu" (fp32 masters
     4 + Adam moments 8 resident there), and stays under a cap of 40 bytes a parameter.
+    Measured: ~7-8 B/param less (the swap buffer pool and allocator noise take the rest;
+    at 3.7M parameters the noise, +-7 MiB, made an 8-byte bound fail one run in four).
     Not yet the issue-18 bound (what remains resident per parameter: docs/infinity.md)."""
-    model = {"vocab_size": 4096, "d_model": 256, "n_layer": 2, "n_head": 4, "max_seq_len": 32}
+    model = {"vocab_size": 4096, "d_model": 512, "n_layer": 2, "n_head": 4, "max_seq_len": 32}
     grow = {}
     for device in ("cpu", "nvme"):
         zero = {**_nvme(tmp_path, "nvme", buffer_count=6), "sub_group_size": 1 << 18,
@@ -86,7 +88,7 @@ def test_rss_drops_by_the_state_on_disk(tmp_path):
         tiny = setup(3, zero, precision="bf16", world=1, steps=3, seq=32)
         r = run_distributed(peak_rss_growth, world_size=1, args=(s, 3, tiny))[0]
         grow[device], n = r["growth"], r["numel"]
-    assert grow["nvme"] + 8 * n <= grow["cpu"], {k: v / 2**20 for k, v in grow.items()}
+    assert grow["nvme"] + 6 * n <= grow["cpu"], {k: v / 2**20 for k, v in grow.items()}
     assert grow["nvme"] <= 40 * n, grow["nvme"] / 2**20
 
 
