@@ -39,7 +39,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "quantize_training",
         "seq_parallel_comm_data_type",
         "seq_parallel_communication_data_type",
-        "sequence_parallel_size",
         "sparse_attention",
         "sparse_gradients",
         "tensorboard",

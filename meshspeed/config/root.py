@@ -10,6 +10,7 @@ from meshspeed.config.activation import ActivationCheckpointingConfig
 from meshspeed.config.base import Int, NonNegFloat, PositiveFloat, PositiveInt, StrictModel
 from meshspeed.config.checkpoint import CheckpointConfig
 from meshspeed.config.comms import CommDtype, CommsLoggerConfig
+from meshspeed.config.context_parallel import ContextParallelConfig, resolve
 from meshspeed.config.offload import AioConfig
 from meshspeed.config.optim import OptimizerConfig, SchedulerConfig
 from meshspeed.config.pipeline import PipelineConfig
@@ -65,6 +66,9 @@ class MeshspeedConfig(StrictModel):
     )
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    # DeepSpeed-Ulysses' degree (DeepSpeed's key); context_parallel chooses other methods
+    sequence_parallel_size: PositiveInt = 1
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
 
     # Set by load_config: which batch keys the user gave (the rest were derived), and
     # the accepted-but-unused DeepSpeed keys that were set aside.
@@ -78,6 +82,16 @@ class MeshspeedConfig(StrictModel):
                 "fp16.enabled and bf16.enabled are both true; enable at most one of them"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_sequence_degree(self):
+        resolve(self.context_parallel, self.sequence_parallel_size)  # raises if they disagree
+        return self
+
+    @property
+    def sequence(self) -> ContextParallelConfig:
+        """The context-parallel method and degree, from either key."""
+        return resolve(self.context_parallel, self.sequence_parallel_size)
 
     @property
     def precision_dtype(self) -> torch.dtype:

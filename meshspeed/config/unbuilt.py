@@ -4,8 +4,8 @@
 behind yet. Going on without the feature is only honest when the user loses nothing but
 a report or a tuning knob, so each key is judged by its value:
 
-* a value that asks for a parallelism or for different numerics (`sequence_parallel_size:
-  4`, ZeRO++ quantized weights, `amp`, ...) is a
+* a value that asks for a parallelism or for different numerics (ZeRO++ quantized
+  weights, `amp`, ...) is a
   ConfigError: training on would silently be plain data parallelism, or other numbers;
 * a monitor or logger that is switched on (`tensorboard`, `wandb`, `flops_profiler`, ...)
   is one warning on rank 0 saying it is not there;
@@ -48,7 +48,6 @@ def _grad_accum_dtype(value: Any) -> bool:
 
 # path -> (does the value ask for it?, what it asks for)
 ASKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "sequence_parallel_size": (_above(1), "sequence parallelism (Ulysses)"),
     "expert_parallel": (_enabled, "expert parallelism"),
     "compression_training": (_enabled, "compression training (quantization / pruning)"),
     "weight_quantization": (_enabled, "weight quantization"),

@@ -77,7 +77,9 @@ def initialize(
         tune_host_allocator()  # Note [a fixed mmap threshold for CPU training]
 
     topology = build_layout(config, mpu, device, model)
-    dp_group, dp_size = topology.group("dp"), topology.size("dp")
+    # context-parallel ranks hold pieces of the same samples: the batch triad counts dp
+    # ranks, gradients are averaged and ZeRO shards over dp x cp
+    dp_group, dp_size = topology.group("dp_cp"), topology.size("dp")
     cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_layout(topology))
     report_no_effect(cfg, rank=comm.get_rank())
     comm.set_timeout(cfg.comms_timeout)  # a wait longer than this is a CommTimeoutError
@@ -94,6 +96,7 @@ def initialize(
     if pipelined:
         check_pipeline(model, cfg)
     model = split_tensor_parallel(model, topology, cfg.tensor_parallel, cfg.precision_dtype)
+    context = _context_parallel(model, topology, cfg)
     module = _cast(model, device, cfg.precision_dtype)
     tied = TiedGrads(module, topology)  # collective: every rank makes the tied groups
     tied.broadcast_from_first()  # Note [summing tied gradients over stages]
@@ -121,6 +124,8 @@ def initialize(
         scaler=build_scaler(cfg.fp16), topology=topology, dataloader=loader,
         comm_logger=comm_logger, device=device,
     )
+    if context is not None:
+        engine.attach_context(*context)
     if pipelined:
         engine.attach_tied(tied)
     if comm.get_rank() == 0:
@@ -129,6 +134,21 @@ def initialize(
                  describe_layout(topology), cfg.train_micro_batch_size_per_gpu,
                  cfg.gradient_accumulation_steps)
     return engine, opt, loader, scheduler
+
+
+def _context_parallel(model: nn.Module, topology, cfg: MeshspeedConfig):
+    """(ContextParallel, whether the engine cuts batches) when the mesh has a cp axis."""
+    if topology.size("cp") == 1:
+        return None
+    from meshspeed.sequence.context import ContextParallel
+    from meshspeed.sequence.models import attach
+
+    if cfg.tensor_parallel.sequence_parallel:
+        raise ConfigError([("tensor_parallel.sequence_parallel with context parallelism: both split "
+                           "the sequence; keep context_parallel (it also splits the attention) and "
+                           "turn tensor_parallel.sequence_parallel off")])
+    context = ContextParallel(cfg.sequence, topology)
+    return context, attach(model, context)
 
 
 def _cast(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

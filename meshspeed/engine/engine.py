@@ -57,7 +57,7 @@ class MeshspeedEngine(nn.Module):
                                "offload_optimizer.device \"cpu\" or turn sequence_parallel off")])
         # Note [agreement before each step]: with tensor parallelism a rank agrees with its
         # dp peers and its tp peers, which together reach every rank
-        self._agree_over = [topology.group(a) for a in ("dp", "tp") if topology.size(a) > 1]
+        self._agree_over = [topology.group(a) for a in ("dp_cp", "tp") if topology.size(a) > 1]
         self.training_dataloader = dataloader
         self.comm_logger = comm_logger
         self.device = device or torch.device("cpu")
@@ -75,6 +75,13 @@ class MeshspeedEngine(nn.Module):
         self._step_applied = False
         self._stage_groups: list = []  # set by the pipeline engine: [pp group]
         self._norm_skip: set[int] = set()  # masters left out of the gradient norm
+        self.context = None  # meshspeed.sequence.context.ContextParallel under context parallelism
+        self._cuts_batches = False
+
+    def attach_context(self, context, cuts_batches: bool) -> None:
+        """Context parallelism: forward cuts each batch for this rank (unless the model
+        calls DistributedAttention itself and its script cuts them, as under DeepSpeed)."""
+        self.context, self._cuts_batches = context, cuts_batches
 
     def _reduce_tied(self) -> None:
         """Hook for the pipeline engine (tied layers across stages); nothing here."""
@@ -213,6 +220,11 @@ class MeshspeedEngine(nn.Module):
             self._micro_reduces = self._reduces_now()
             self.strategy.begin_micro_step(self._micro_reduces)
             self._micro_started = True
+        if self._cuts_batches:  # Note [cutting a batch for context parallelism]
+            from meshspeed.sequence.data import cut_batch, weigh_loss
+
+            inputs, kwargs, weight = cut_batch(self.context, self.module, inputs, kwargs)
+            return weigh_loss(self.context, self.module(*inputs, **kwargs), weight)
         return self.module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):

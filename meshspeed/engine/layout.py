@@ -15,6 +15,7 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.config import ConfigError, MeshspeedConfig
+from meshspeed.config.context_parallel import ContextParallelConfig, resolve
 from meshspeed.config.loader import _read
 from meshspeed.config.tensor_parallel import TensorParallelConfig
 from meshspeed.runtime.distributed import describe_world
@@ -36,6 +37,21 @@ def tensor_parallel_section(config: Any) -> TensorParallelConfig:
         return TensorParallelConfig.checked(raw, "tensor_parallel.")
     except ConfigError:
         return TensorParallelConfig()  # load_config reports the problem with the others
+
+
+def context_parallel_section(config: Any) -> ContextParallelConfig:
+    """The effective context-parallel section (`context_parallel` merged with DeepSpeed's
+    `sequence_parallel_size`), read before the whole config as the tp section is."""
+    if isinstance(config, MeshspeedConfig):
+        return config.sequence
+    raw = _read(config)
+    section = raw.get("context_parallel") or {}
+    sp = raw.get("sequence_parallel_size", 1)
+    try:
+        return resolve(ContextParallelConfig.checked(section, "context_parallel."),
+                       sp if isinstance(sp, int) and not isinstance(sp, bool) else 1)
+    except (ConfigError, ValueError, TypeError):
+        return ContextParallelConfig()  # load_config reports the problem with the others
 
 
 def tensor_parallel_degree(config: Any, model: nn.Module, mpu: Any) -> int:
@@ -76,6 +92,14 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module) 
     """The Topology for this run. Collective over the world."""
     tp = tensor_parallel_degree(config, model, mpu)
     pp = pipeline_degree(config, model)
+    cp = context_parallel_section(config).size
+    if cp > 1 and pp > 1:
+        raise ConfigError([(f"context parallelism (size {cp}) with a {pp}-stage PipelineModule is not "
+                           "supported in this version; use one of them (context parallelism composes "
+                           "with data, tensor parallelism and every ZeRO stage)")])
+    if cp > 1 and mpu is not None:
+        raise ConfigError([(f"context parallelism (size {cp}) with initialize(mpu=...): the sequence "
+                           "groups come from the mesh; drop mpu= and give tensor_parallel.autotp_size")])
     if mpu is not None and pp > 1:
         raise ConfigError([(f"initialize(mpu=...) with a {pp}-stage PipelineModule: the pipeline layout "
                            "comes from the module and the config here; drop mpu= (tensor "
@@ -87,11 +111,12 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module) 
                                f"group has {topology.size('tp')} ranks; make them equal or drop the key")])
         return topology
     world = comm.get_world_size()
-    if world % (tp * pp):
-        what = f"tensor_parallel.autotp_size: {tp}" + (f" x {pp} pipeline stages" if pp > 1 else "")
+    if world % (tp * pp * cp):
+        what = (f"tensor_parallel.autotp_size: {tp}" + (f" x {pp} pipeline stages" if pp > 1 else "")
+                + (f" x context parallel size {cp}" if cp > 1 else ""))
         raise ConfigError([(f"{what} does not divide the world size "
                            f"{world} ({describe_world()}); use a divisor of {world}")])
-    topology = build_topology(ParallelDims(world, tp=tp, pp=pp), device_type=device.type)
+    topology = build_topology(ParallelDims(world, tp=tp, pp=pp, cp=cp), device_type=device.type)
     _check_requested_group(model, topology)
     return topology
 

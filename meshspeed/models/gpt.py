@@ -116,11 +116,13 @@ class Rotary(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # x: (B, heads, T, head_dim); rotate the two halves of each head as complex pairs.
+        # positions: the tokens' global positions (T,) when x holds part of a longer
+        # sequence (context parallelism); 0..T-1 otherwise.
         T = x.size(-2)
-        cos = self.cos[:T].to(x.dtype)  # (T, half)
-        sin = self.sin[:T].to(x.dtype)
+        cos = (self.cos[:T] if positions is None else self.cos[positions]).to(x.dtype)  # (T, half)
+        sin = (self.sin[:T] if positions is None else self.sin[positions]).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)  # each (B, heads, T, half)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -135,6 +137,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # a meshspeed.sequence.context.ContextParallel when the engine splits sequences
+        # over ranks: it gives the global positions and runs the distributed attention
+        self.context = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Head counts come from the tensors (-1), not the config, so a head-sharded
@@ -145,7 +150,12 @@ class Attention(nn.Module):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
-        q, k = self.rotary(q), self.rotary(k)
+        context = self.context
+        positions = None if context is None else context.positions
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if context is not None:  # this rank's queries over the whole sequence (GQA inside)
+            y = context.attend(q, k, v, causal=True)
+            return self.wo(y.transpose(1, 2).reshape(B, T, -1))
         groups = q.size(1) // k.size(1)
         if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
             k = k.repeat_interleave(groups, dim=1)  # (B, n_head, T, hd)

@@ -40,10 +40,13 @@ class ParitySetup:
     schedule: str = "1f1b"  # pipeline.schedule
     virtual: int = 1  # PipelineModule(virtual_stages=...), for "interleaved"
     checkpoint_interval: int = 0  # PipelineModule(activation_checkpoint_interval=...), engine side
+    cp: int = 1  # context-parallel degree (each sequence split over cp ranks)
+    cp_mode: str = "ring_balanced"  # context_parallel.mode; "sp": DeepSpeed's sequence_parallel_size
+    ulysses: int | None = None  # context_parallel.ulysses_size, for "hybrid"
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return self.world // (self.tp * self.pp * self.cp)
 
     def gpt_config(self) -> GPTConfig:
         base = {"vocab_size": 64, "max_seq_len": self.seq, "n_layer": 2, "n_head": 2,
@@ -74,6 +77,11 @@ class ParitySetup:
                                       "tp_overlap_comm": self.overlap}
         if self.pp > 1:
             cfg["pipeline"] = {"schedule": self.schedule}
+        if self.cp > 1 and self.cp_mode == "sp":
+            cfg["sequence_parallel_size"] = self.cp
+        elif self.cp > 1:
+            cfg["context_parallel"] = {"size": self.cp, "mode": self.cp_mode,
+                                       **({"ulysses_size": self.ulysses} if self.ulysses else {})}
         for key, value in self.extra_config.items():
             if isinstance(value, dict) and isinstance(cfg.get(key), dict):
                 cfg[key] = {**cfg[key], **value}

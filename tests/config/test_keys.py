@@ -76,7 +76,6 @@ def test_known_unused_keys_accepted_and_logged_once(caplog):
 
 
 @pytest.mark.parametrize("config, says", [
-    ({"sequence_parallel_size": 4}, "sequence_parallel_size: asks for sequence parallelism"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO++ hierarchical"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},

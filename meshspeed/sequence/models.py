@@ -1,0 +1,88 @@
+"""Attaching a ContextParallel to the attention of a model, so the model's code does not
+change: meshspeed's GPT (its Attention modules read `context`), Hugging Face models (an
+attention function registered with transformers' AttentionInterface, selected through the
+model's config), and models that already call DeepSpeed's DistributedAttention
+themselves (their script cuts its batches, as under DeepSpeed; nothing is attached).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshspeed.config.errors import ConfigError
+from meshspeed.sequence.context import ContextParallel
+
+HF_NAME = "meshspeed_context_parallel"
+
+
+def attach(model: nn.Module, ctx: ContextParallel) -> bool:
+    """Route the model's attention through `ctx`. Returns whether the engine cuts the
+    batches (False for models with their own DistributedAttention). Raises ConfigError
+    for a model whose attention meshspeed cannot find, or whose heads the method cannot
+    split."""
+    from meshspeed.models.gpt import GPT, Attention
+    from meshspeed.sequence.layer import DistributedAttention
+
+    try:
+        if any(isinstance(m, DistributedAttention) for m in model.modules()):
+            return False
+        gpt = [m for m in model.modules() if isinstance(m, Attention)]
+        if gpt:
+            for name, m in model.named_modules():
+                if isinstance(m, Attention):
+                    heads = m.wq.weight.shape[0] // m.head_dim
+                    ctx.check_heads(heads, m.wk.weight.shape[0] // m.head_dim, name)
+                    m.context = ctx
+            configs = [m.config for m in model.modules() if isinstance(m, GPT)]
+            ctx.max_positions = configs[0].max_seq_len if configs else None
+            return True
+        if _attach_hf(model, ctx):
+            return True
+    except ValueError as err:
+        raise ConfigError([f"context_parallel: {err}"]) from None
+    raise ConfigError([(f"context_parallel: {type(model).__name__} has no attention meshspeed can "
+                       "distribute (meshspeed's GPT, a Hugging Face transformers model, or a model "
+                       "calling meshspeed.sequence.layer.DistributedAttention); route its attention "
+                       "through DistributedAttention, or drop the context-parallel keys")])
+
+
+def _attach_hf(model: nn.Module, ctx: ContextParallel) -> bool:
+    try:
+        from transformers import AttentionInterface, PreTrainedModel
+    except ImportError:
+        return False
+    if not isinstance(model, PreTrainedModel):
+        return False
+    AttentionInterface.register(HF_NAME, _hf_attention)
+    found = False
+    for name, m in model.named_modules():
+        if hasattr(m, "k_proj") and hasattr(m, "q_proj") and hasattr(m, "head_dim"):
+            heads = m.q_proj.weight.shape[0] // m.head_dim
+            ctx.check_heads(heads, m.k_proj.weight.shape[0] // m.head_dim, name)
+            m._meshspeed_context = ctx
+            found = True
+    if found:
+        for sub in model.modules():
+            config = getattr(sub, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                config._attn_implementation = HF_NAME
+        ctx.max_positions = None  # rotary position ids are computed, not tabled
+    return found
+
+
+def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: (b, h, s, d) in, (b, s, h, d) out."""
+    ctx = getattr(module, "_meshspeed_context", None)
+    if ctx is None:
+        raise RuntimeError(f"{type(module).__name__} runs with attn_implementation {HF_NAME!r} but "
+                           "was not attached to a context-parallel engine")
+    if dropout:
+        raise ValueError("context-parallel attention has no attention dropout; set attention_dropout 0")
+    causal = getattr(module, "is_causal", True)
+    out = ctx.attend(query, key, value, causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
