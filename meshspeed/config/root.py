@@ -68,6 +68,7 @@ class MeshspeedConfig(StrictModel):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     # DeepSpeed-Ulysses' degree (DeepSpeed's key); context_parallel chooses other methods
     sequence_parallel_size: PositiveInt = 1
+    data_parallel_size: PositiveInt | None = None  # DeepSpeed's key: checked against the mesh
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
 
     # Set by load_config: which batch keys the user gave (the rest were derived), and

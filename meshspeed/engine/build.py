@@ -22,7 +22,7 @@ from meshspeed import comm
 from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.config.no_effect import report_no_effect
 from meshspeed.engine.engine import MeshspeedEngine
-from meshspeed.engine.layout import build_layout, describe_layout, split_tensor_parallel
+from meshspeed.engine.layout import build_layout, describe_layout, mesh_param_degrees, split_tensor_parallel
 from meshspeed.engine.pipeline import PipelineEngine, check_pipeline
 from meshspeed.engine.tied_grads import TiedGrads
 from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement
@@ -39,6 +39,7 @@ from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
 from meshspeed.runtime.distributed import init_distributed
 from meshspeed.runtime.malloc import tune_host_allocator
+from meshspeed.utils import groups
 
 log = logging.getLogger("meshspeed")
 
@@ -76,11 +77,15 @@ def initialize(
     if device.type == "cpu":
         tune_host_allocator()  # Note [a fixed mmap threshold for CPU training]
 
-    topology = build_layout(config, mpu, device, model)
+    mesh = mesh_param_degrees(mesh_param)
+    topology = build_layout(config, mpu, device, model, mesh)
+    groups.set_layout(topology)  # deepspeed.utils.groups' accessors answer from it
     # context-parallel ranks hold pieces of the same samples: the batch triad counts dp
     # ranks, gradients are averaged and ZeRO shards over dp x cp
     dp_group, dp_size = topology.group("dp_cp"), topology.size("dp")
     cfg = load_config(config, dp_world_size=dp_size, dp_source=describe_layout(topology))
+    if topology.size("cp") > cfg.sequence.size:  # the degree came from mesh_param: Ulysses
+        cfg = cfg.model_copy(update={"sequence_parallel_size": topology.size("cp")})
     report_no_effect(cfg, rank=comm.get_rank())
     comm.set_timeout(cfg.comms_timeout)  # a wait longer than this is a CommTimeoutError
     check_offload(cfg, client_optimizer=optimizer)

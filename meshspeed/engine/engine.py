@@ -204,6 +204,23 @@ class MeshspeedEngine(nn.Module):
     def get_data_parallel_group(self):
         return self.dp_group
 
+    # DeepSpeed's names for the sequence (context-parallel) axis
+    @property
+    def seq_parallel_group(self):
+        return self.topology.group("cp")
+
+    def get_sequence_parallel_group(self):
+        return self.topology.group("cp")
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.topology.size("cp")
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks gradients are averaged over: data x sequence parallel."""
+        return self.topology.size("dp_cp")
+
     def get_tensor_parallel_group(self):
         return self.topology.group("tp")
 

@@ -88,11 +88,30 @@ def pipeline_degree(config: Any, model: nn.Module) -> int:
     return stages
 
 
-def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module) -> Topology:
-    """The Topology for this run. Collective over the world."""
+def mesh_param_degrees(mesh_param: Any) -> tuple[int, int] | None:
+    """DeepSpeed's `initialize(mesh_param=(dp, sp))`: data-parallel and Ulysses degrees."""
+    if mesh_param is None:
+        return None
+    ok = (isinstance(mesh_param, (tuple, list)) and len(mesh_param) == 2
+          and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh_param))
+    if not ok:
+        raise ConfigError([(f"initialize(mesh_param={mesh_param!r}): expected (data_parallel_size, "
+                           "sequence_parallel_size), two positive integers")])
+    return int(mesh_param[0]), int(mesh_param[1])
+
+
+def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module,
+                 mesh: tuple[int, int] | None = None) -> Topology:
+    """The Topology for this run (`mesh`: DeepSpeed's mesh_param (dp, sp)). Collective
+    over the world."""
     tp = tensor_parallel_degree(config, model, mpu)
     pp = pipeline_degree(config, model)
     cp = context_parallel_section(config).size
+    if mesh is not None and mesh[1] > 1:
+        if cp > 1 and cp != mesh[1]:
+            raise ConfigError([(f"initialize(mesh_param={mesh}) asks for sequence parallel size {mesh[1]}, "
+                               f"the config for {cp}; make them equal or give one")])
+        cp = mesh[1]
     if cp > 1 and pp > 1:
         raise ConfigError([(f"context parallelism (size {cp}) with a {pp}-stage PipelineModule is not "
                            "supported in this version; use one of them (context parallelism composes "
@@ -117,6 +136,13 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module) 
         raise ConfigError([(f"{what} does not divide the world size "
                            f"{world} ({describe_world()}); use a divisor of {world}")])
     topology = build_topology(ParallelDims(world, tp=tp, pp=pp, cp=cp), device_type=device.type)
+    dp = _read(config).get("data_parallel_size") if not isinstance(config, MeshspeedConfig) else \
+        config.data_parallel_size
+    for what, want in (("initialize(mesh_param=...)", mesh[0] if mesh else None),
+                       ("data_parallel_size", dp)):
+        if want is not None and want != topology.size("dp"):
+            raise ConfigError([(f"{what} asks for data parallel size {want}, but {world} ranks with "
+                               f"{describe_layout(topology)} leave {topology.size('dp')}; make them agree")])
     _check_requested_group(model, topology)
     return topology
 

@@ -3,26 +3,35 @@ change: meshspeed's GPT (its Attention modules read `context`), Hugging Face mod
 attention function registered with transformers' AttentionInterface, selected through the
 model's config), and models that already call DeepSpeed's DistributedAttention
 themselves (their script cuts its batches, as under DeepSpeed; nothing is attached).
+
+A model of none of these kinds is left alone too, with a warning: as in DeepSpeed, its
+script builds DistributedAttention over `engine.seq_parallel_group` (often after
+initialize, which is why this is not an error) and cuts its batches. Until it does,
+every cp rank computes the same whole sequences and the averaged gradients are still
+right, only not split.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from meshspeed import comm
 from meshspeed.config.errors import ConfigError
 from meshspeed.sequence.context import ContextParallel
+
+log = logging.getLogger("meshspeed")
 
 HF_NAME = "meshspeed_context_parallel"
 
 
 def attach(model: nn.Module, ctx: ContextParallel) -> bool:
     """Route the model's attention through `ctx`. Returns whether the engine cuts the
-    batches (False for models with their own DistributedAttention). Raises ConfigError
-    for a model whose attention meshspeed cannot find, or whose heads the method cannot
-    split."""
+    batches (False for models with their own DistributedAttention, and others). Raises
+    ConfigError for heads the method cannot split."""
     from meshspeed.models.gpt import GPT, Attention
     from meshspeed.sequence.layer import DistributedAttention
 
@@ -43,10 +52,12 @@ def attach(model: nn.Module, ctx: ContextParallel) -> bool:
             return True
     except ValueError as err:
         raise ConfigError([f"context_parallel: {err}"]) from None
-    raise ConfigError([(f"context_parallel: {type(model).__name__} has no attention meshspeed can "
-                       "distribute (meshspeed's GPT, a Hugging Face transformers model, or a model "
-                       "calling meshspeed.sequence.layer.DistributedAttention); route its attention "
-                       "through DistributedAttention, or drop the context-parallel keys")])
+    if ctx.rank == 0 and comm.get_rank() == 0:
+        log.warning("context parallelism: %s has no attention meshspeed routes by itself (meshspeed's "
+                    "GPT or a transformers model); as in DeepSpeed, build DistributedAttention over "
+                    "engine.seq_parallel_group and cut the batches in the script, or every cp rank "
+                    "computes whole sequences", type(model).__name__)
+    return False
 
 
 def _attach_hf(model: nn.Module, ctx: ContextParallel) -> bool:

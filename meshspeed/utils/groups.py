@@ -1,0 +1,82 @@
+"""DeepSpeed's `deepspeed.utils.groups` accessors, for scripts that call them.
+
+meshspeed passes groups explicitly (engine.mesh); DeepSpeed scripts instead ask this
+module for "the" sequence or data-parallel group after `initialize`. These functions
+answer from the layout of the most recent `meshspeed.initialize` in this process (before
+one, sizes are 1 and groups are an error saying so).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+_current: list[Any] = []  # [Topology] of the latest initialize
+
+
+def set_layout(topology: Any) -> None:
+    _current[:] = [topology]
+
+
+def _topology(what: str):
+    if not _current:
+        raise KeyError(f"No {what} group found: call meshspeed.initialize first (the groups come "
+                       "from its mesh)")
+    return _current[0]
+
+
+def _size(axis: str) -> int:
+    return _current[0].size(axis) if _current else 1
+
+
+def _rank(axis: str) -> int:
+    return _current[0].coord(axis) if _current else 0
+
+
+def _get_sequence_parallel_group() -> dist.ProcessGroup:
+    return _topology("sequence parallel").group("cp")
+
+
+def _get_sequence_parallel_world_size() -> int:
+    return _size("cp")
+
+
+def _get_sequence_parallel_rank() -> int:
+    return _rank("cp")
+
+
+def _get_sequence_data_parallel_group() -> dist.ProcessGroup:
+    return _topology("sequence data parallel").group("dp_cp")
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    return _size("dp_cp") if _current else dist.get_world_size()
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    return _rank("dp_cp") if _current else dist.get_rank()
+
+
+def _get_data_parallel_group() -> dist.ProcessGroup:
+    return _topology("data parallel").group("dp") if _current else dist.group.WORLD
+
+
+def _get_data_parallel_world_size() -> int:
+    return _size("dp") if _current else dist.get_world_size()
+
+
+def _get_data_parallel_rank() -> int:
+    return _rank("dp") if _current else dist.get_rank()
+
+
+def _get_model_parallel_world_size() -> int:
+    return _size("tp")
+
+
+def _get_tensor_model_parallel_world_size() -> int:
+    return _size("tp")
+
+
+def _get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return _topology("tensor parallel").group("tp")
