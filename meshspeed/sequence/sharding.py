@@ -6,7 +6,7 @@ blocks, the last rank `degree` times the first's; load-balanced context parallel
 (Megatron-LM's CP) cuts 2 x degree chunks and gives rank i chunks i and 2·degree-1-i, so
 every rank does the same work: 2·degree+1 chunk pairs, two of them on the diagonal.
 
-A rank's local sequence is its chunks concatenated in ascending chunk order. Everything
+A rank's local sequence is its chunks concatenated in the order `chunks(rank)` lists them. Everything
 that needs global positions (rotary embeddings, the causal mask between chunks) reads them
 from `positions(rank)`; `chunks(rank)` is the same information at chunk granularity, which
 is what the ring uses to skip blocks.
