@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshspeed.sequence.all_to_all import seq_all_to_all
+from meshspeed.sequence.all_to_all import seq_all_to_all, seq_all_to_all_many
+from meshspeed.sequence.layer import _replicate_kv
 from meshspeed.sequence.ring import ring_attention
 
 
@@ -28,19 +29,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_
     """q (b, h, s, d), k/v (b, h_kv, s, d): this rank's tokens with all heads; returns
     (b, h, s, d). `chunk_ids[j]`: the global chunks ring member j holds after the
     all-to-all (its all-to-all group's chunks, in group-rank order)."""
-    u = dist.get_world_size(ulysses_group)
-    heads, kv_heads = q.size(1), k.size(1)
-    if heads % u:
-        raise ValueError(f"{heads} attention heads are not divisible by the all-to-all degree {u} "
-                         "(ulysses_size); choose a ulysses_size that divides them")
-    if kv_heads % u:
-        if u % kv_heads:
-            raise ValueError(f"{kv_heads} key/value heads neither divide nor are a multiple of the "
-                             f"all-to-all degree {u}; choose a ulysses_size that {kv_heads} divides or "
-                             "that divides it")
-        k = k.repeat_interleave(u // kv_heads, dim=1)  # one copy per rank; autograd sums them back
-        v = v.repeat_interleave(u // kv_heads, dim=1)
+    # kv heads replicated up to the all-to-all degree when fewer (autograd sums the copies)
+    k, v = _replicate_kv(q, k, v, 1, dist.get_world_size(ulysses_group))
     # heads scattered, tokens gathered: (b, h/u, u·s, d), the group's block of the sequence
-    q, k, v = (seq_all_to_all(x, ulysses_group, scatter_dim=1, gather_dim=2) for x in (q, k, v))
+    q, k, v = seq_all_to_all_many((q, k, v), ulysses_group, scatter_dim=1, gather_dim=2)
     out = ring_attention(q, k, v, ring_group, causal=causal, scale=scale, chunk_ids=chunk_ids)
     return seq_all_to_all(out, ulysses_group, scatter_dim=2, gather_dim=1)
