@@ -22,7 +22,12 @@ from meshspeed import comm
 from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.config.no_effect import report_no_effect
 from meshspeed.engine.engine import MeshspeedEngine
-from meshspeed.engine.layout import build_layout, describe_layout, mesh_param_degrees, split_tensor_parallel
+from meshspeed.engine.layout import (
+    build_layout,
+    describe_layout,
+    mesh_param_degrees,
+    split_tensor_parallel,
+)
 from meshspeed.engine.pipeline import PipelineEngine, check_pipeline
 from meshspeed.engine.tied_grads import TiedGrads
 from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement

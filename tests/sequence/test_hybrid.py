@@ -6,7 +6,8 @@ load-balanced layout's equal block counts."""
 
 from __future__ import annotations
 
-import torch
+import functools
+
 from torch.testing import assert_close
 
 from meshspeed.sequence.groups import hybrid_layouts
@@ -37,7 +38,7 @@ def _cases() -> dict:
                 leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
                 ref = _reference(*leaves, causal)
                 ref.backward(dO)
-                shard = lambda x: layout.shard(x, rank, dim=2)
+                shard = functools.partial(layout.shard, rank=rank, dim=2)
                 q, k, v = (shard(t).float().requires_grad_() for t in (Q, K, V))
                 with BlockCounter() as blocks:
                     out = hybrid_attention(q, k, v, ug, rg, causal=causal, chunk_ids=chunks)
