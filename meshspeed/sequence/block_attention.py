@@ -1,5 +1,5 @@
-"""Attention of one query block against one key/value block: the ring's kernel, in plain
-torch math.
+"""Attention of one query block against one key/value block: the ring's kernel (torch's
+fused CPU flash kernel where it applies, plain torch math otherwise).
 
     out, lse = block_forward(q, k, v, scale, causal_diag=False)
     out, lse = merge(out, lse, *block_forward(q, k2, v2, scale, causal_diag=True))
@@ -29,11 +29,38 @@ A row's accumulated lse is -inf until a block it can see has been merged into it
 two -inf rows gives weight exp(-inf - -inf) = nan; `merge` gives such rows weight 0 (out
 stays 0, lse stays -inf), and `block_backward` treats an lse of -inf as "no probability
 anywhere" (P = 0) rather than exp(s + inf).
+
+Note [a fused kernel on the CPU]
+Plain math materialises the scores of the whole block pair, [h, L_q, L_k] (twice in
+backward): memory quadratic in the tokens per rank, which made the ring's longest
+sequence under a memory cap no longer than one rank's (benchmarks/long_context.py). On
+the CPU in float32, torch's flash kernel (`_scaled_dot_product_flash_attention_for_cpu`)
+works in tiles and returns the log-sum-exp, and its backward takes the out and lse it is
+given: handed the merged (final) ones, it computes exactly this block's share of the
+gradients, as `block_backward` does. It handles grouped-query heads itself. Float64
+inputs, other devices, and torch builds without the op use the plain math, which is also
+the reference the tests hold the kernel to.
 """
 
 from __future__ import annotations
 
 import torch
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """Whether the fused CPU kernel applies (Note [a fused kernel on the CPU])."""
+    return (_FLASH is not None and _FLASH_BACKWARD is not None and q.device.type == "cpu"
+            and accumulation_dtype(q.dtype) == torch.float32)
+
+
+def _check_diag(l_q: int, l_k: int, causal_diag: bool) -> None:
+    if causal_diag and l_q != l_k:
+        raise ValueError(
+            f"causal_diag needs query and key blocks of the same positions, got "
+            f"{l_q} queries and {l_k} keys; pass causal_diag=False for distinct blocks")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -52,11 +79,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal_diag: bool) -
     h_kv, l_q, l_k = k.size(1), q.size(2), k.size(2)
     acc = accumulation_dtype(q.dtype)
     s = torch.matmul(_grouped(q.to(acc), h_kv), k.to(acc).transpose(-1, -2)).mul_(scale)
+    _check_diag(l_q, l_k, causal_diag)
     if causal_diag:
-        if l_q != l_k:
-            raise ValueError(
-                f"causal_diag needs query and key blocks of the same positions, got "
-                f"{l_q} queries and {l_k} keys; pass causal_diag=False for distinct blocks")
         hidden = torch.ones(l_q, l_k, dtype=torch.bool, device=q.device).triu_(1)
         s.view(*s.shape[:2], -1, l_q, l_k).masked_fill_(hidden, float("-inf"))
     return s
@@ -70,6 +94,10 @@ def block_forward(
     Returns out [b, h_q, L_q, d] and lse [b, h_q, L_q], both in the accumulation dtype.
     """
     b, h_q, l_q, _ = q.shape
+    if _fused(q):
+        _check_diag(l_q, k.size(2), causal_diag)
+        f32 = torch.float32
+        return _FLASH(q.to(f32), k.to(f32), v.to(f32), 0.0, causal_diag, scale=scale)
     s = _scores(q, k, scale, causal_diag)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = s.sub_(lse).exp_()  # in place: s is not needed again
@@ -115,11 +143,16 @@ def block_backward(
     `out`, `lse` and `delta` are of the final attention over every key block (the merged
     result), so P = exp(S * scale - lse) is this block's part of the full softmax:
     dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = dS K scale, dK = dS^T Q scale.
-    `out` is unused beyond its role in `delta` and kept in the signature for symmetry.
+    The plain path uses `out` only through `delta`; the fused kernel forms delta itself.
     Returns dq [b, h_q, L_q, d], dk and dv [b, h_kv, L_k, d] in the accumulation dtype.
     """
-    del out  # enters only through delta
     b, h_q, l_q, _ = q.shape
+    if _fused(q):  # the kernel forms delta from dout and out itself
+        _check_diag(l_q, k.size(2), causal_diag)
+        f32 = torch.float32
+        return _FLASH_BACKWARD(dout.to(f32), q.to(f32), k.to(f32), v.to(f32), out.to(f32), lse.to(f32),
+                               0.0, causal_diag, scale=scale)
+    del out  # enters only through delta
     h_kv = k.size(1)
     s = _scores(q, k, scale, causal_diag)
     acc = s.dtype

@@ -109,3 +109,27 @@ def test_causal_diag_needs_blocks_of_one_length():
     q, k, v = _qkv(l_q=6, l_k=10)
     with pytest.raises(ValueError, match="causal_diag"):
         block_forward(q, k, v, 1.0, True)
+
+
+@pytest.mark.parametrize("causal_diag, h_kv", [(True, 4), (False, 2), (True, 1)])
+def test_fused_cpu_kernel_equals_the_plain_math(causal_diag, h_kv, monkeypatch):
+    """Note [a fused kernel on the CPU]: float32 runs torch's flash kernel; with it taken
+    away the same calls run the plain math, and both give the same block results (the
+    backward from a merged out/lse, as the ring calls it)."""
+    import meshspeed.sequence.block_attention as ba
+
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(2))
+    k, v, k2, v2 = (torch.randn(2, h_kv, 12, 8, generator=g) for _ in range(4))
+
+    def run():
+        out, lse = ba.merge(*ba.block_forward(q, k, v, 0.3, causal_diag), *ba.block_forward(q, k2, v2, 0.3, False))
+        return (out, lse, *ba.block_backward(dout, q, k, v, out, lse, ba.compute_delta(dout, out), 0.3,
+                                             causal_diag))
+
+    assert ba._fused(q)
+    fused = run()
+    monkeypatch.setattr(ba, "_FLASH", None)
+    assert not ba._fused(q)
+    for got, want in zip(fused, run()):
+        assert_close(got, want, atol=2e-6, rtol=1e-5)
