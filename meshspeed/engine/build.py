@@ -102,6 +102,7 @@ def initialize(
         raise ValueError(f"initialize(model=...): {type(model).__name__} has no trainable parameters "
                          f"({count} parameters, all with requires_grad=False); unfreeze some "
                          "(p.requires_grad_(True)) or run the model without an engine for inference")
+    _check_experts(model)
     pipelined = isinstance(model, PipelineModule)  # any number of stages: DeepSpeed's engine
     if pipelined:
         check_pipeline(model, cfg)
@@ -144,6 +145,21 @@ def initialize(
                  describe_layout(topology), cfg.train_micro_batch_size_per_gpu,
                  cfg.gradient_accumulation_steps)
     return engine, opt, loader, scheduler
+
+
+def _check_experts(model: nn.Module) -> None:
+    """MoE layers with ep_size 1 train as any layer (their experts are local, their
+    gradients averaged over data parallelism). Expert parallelism needs the engine to
+    hand the layers the mesh's ep group and to reduce expert gradients over edp, which it
+    does not do yet: refused rather than run wrong."""
+    from meshspeed.moe.layer import MoE
+
+    sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE) and m.ep_size > 1})
+    if sizes:
+        raise ConfigError([(f"MoE layers with ep_size {sizes[0]}: expert parallelism is not wired into "
+                           "meshspeed's engine in this version (the layer and its all-to-all exist, "
+                           "meshspeed.moe.layer); build the layers with ep_size=1 (every expert on "
+                           "every rank) to train them with initialize")])
 
 
 def _context_parallel(model: nn.Module, topology, cfg: MeshspeedConfig):

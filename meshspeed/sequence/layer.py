@@ -23,13 +23,14 @@ replicated P/h_kv times before the all-to-all, so that query head group j finds 
 key/value head on rank j: h_kv' = P, and k and v cost as much as P query heads. With
 multi-head attention the forward is 4 (P-1)/P * e*b*s*d*h = 4 (P-1)/P * e*b*N*H/P for
 sequence length N and hidden size H, the paper's 4NH/P per link (section 3.2): constant
-when N and P grow together, which is what Ulysses is for. q, k and v travel in one
-collective (all_to_all.py's seq_all_to_all_many), the output in a second; the backward
-mirrors them. The exception is a local attention of the caller's in a layout where the
-gathered sequence is the outermost dimension ([s, b, h, d], or [b, s, h, d] at b = 1):
-there three separate exchanges give three contiguous results without any copy, which
-the caller's attention may need (`.view`), where one shared buffer would give
-non-contiguous views; the bytes are the same, the calls 3 + 1.
+when N and P grow together, which is what Ulysses is for. q, k and v share one
+collective and the output takes a second, mirrored in the backward: 4 calls (on CPU q, k
+and v share only while they fit all_to_all.py's CPU_BUCKET_BYTES, Note [buckets]). The
+exception is a local attention of the caller's in a layout where the gathered sequence is
+the outermost dimension ([s, b, h, d], or [b, s, h, d] at b = 1): there separate exchanges
+give contiguous results without a copy, which the caller's attention may need (`.view`),
+where a shared buffer gives non-contiguous views; the bytes are the same, the calls 3 + 1
+each way.
 
 Note [grouped-query heads]
 With h_kv key/value heads each shared by h/h_kv query heads, rank j receives query heads
@@ -142,10 +143,8 @@ class DistributedAttention(nn.Module):
         same = k.shape == v.shape and all(a == b for i, (a, b) in enumerate(zip(q.shape, k.shape)) if i != lay.heads)
         if not same or (self.local_attn is not None and any(_gather_is_view(t, lay, n) for t in (q, k))):
             return tuple(seq_all_to_all(t, self.spg, lay.heads, lay.seq) for t in (q, k, v))
-        q, k, v = seq_all_to_all_many((q, k, v), self.spg, lay.heads, lay.seq)
-        if self.local_attn is None:  # SDPA takes strided views
-            return q, k, v
-        return q.contiguous(), k.contiguous(), v.contiguous()  # copies already, but at size-1 edges
+        # SDPA takes strided views; a caller's attention gets contiguous tensors
+        return seq_all_to_all_many((q, k, v), self.spg, lay.heads, lay.seq, contiguous=self.local_attn is not None)
 
 
 def ulysses_attention(
@@ -160,13 +159,13 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Ulysses attention for models written in SDPA's layout: q [b, h, s/P, d], k and v
     [b, h_kv, s/P, d] (grouped-query: Note [grouped-query heads]), this rank's contiguous
-    slice of the sequence; returns [b, h, s/P, d]. `attention(q, k, v)` on [b, h/P, S, d]
-    replaces the default, SDPA with `is_causal=causal`, `scale` and GQA."""
+    slice of the sequence; returns [b, h, s/P, d]. `attention(q, k, v)` on contiguous
+    [b, h/P, S, d] replaces the default, SDPA with `is_causal=causal`, `scale` and GQA."""
     lay = _layout(q, scatter_idx=1, gather_idx=2, batch_dim_idx=None)
     n = comm.get_world_size(group)
     k, v = _replicate_kv(q, k, v, 1, n)
     if k.shape == v.shape and q.shape[2:] == k.shape[2:] and q.shape[0] == k.shape[0]:
-        q, k, v = seq_all_to_all_many((q, k, v), group, 1, 2)
+        q, k, v = seq_all_to_all_many((q, k, v), group, 1, 2, contiguous=attention is not None)
     else:
         q, k, v = (seq_all_to_all(t, group, 1, 2) for t in (q, k, v))
     if attention is None:

@@ -133,9 +133,26 @@ def test_expert_parameters_get_groups_of_their_own():
         ("parameters", 2, False, 0.1), ("ep_size_2", 1, True, 0.1), ("ep_size_2", 1, True, 0.1)]
 
 
-def test_moe_layer_says_it_is_not_available():
-    with pytest.raises(NotImplementedError, match="Mixture-of-Experts layers are not available"):
-        MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)
+def test_moe_layer_builds_and_expert_parallel_training_is_refused_at_initialize():
+    """The layer exists (tests/moe); initialize refuses ep_size > 1 until the engine reduces
+    expert gradients over expert-data parallelism, rather than training them wrong."""
+    from meshspeed.testing import run_distributed
+
+    moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)
+    assert len(moe.deepspeed_moe.experts.deepspeed_experts) == 1
+    assert "expert parallelism is not wired" in run_distributed(_initialize_ep2, world_size=1)[0]
+
+
+def _initialize_ep2() -> str:
+    import meshspeed
+    from meshspeed.config import ConfigError
+
+    moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)
+    try:
+        meshspeed.initialize(model=nn.Sequential(moe), config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    except ConfigError as err:
+        return str(err)
+    return "no error"
 
 
 # -- ops.adam -------------------------------------------------------------------------------

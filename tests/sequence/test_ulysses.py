@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from meshspeed import comm
+from meshspeed.sequence import all_to_all
 from meshspeed.sequence.all_to_all import seq_all_to_all, seq_all_to_all_many
 from meshspeed.sequence.layer import DistributedAttention, ulysses_attention
 from meshspeed.testing import run_distributed
@@ -247,15 +248,35 @@ def _all_to_all_and_errors() -> dict:
     # grad: rank r's slice of the sequence of every rank's upstream, heads reassembled in rank order
     grads = [_full(y.shape, 12 + j) for j in range(n)]
     want_grad = torch.cat([g.narrow(0, rank * 2, 2) for g in grads], dim=2)
-    a, b = _full((4, n * 2, 6), 13), _full((4, n * 1, 6), 14)
-    packed = seq_all_to_all_many([a, b], None, scatter_dim=1, gather_dim=0)
-    alone = [seq_all_to_all(t, None, 1, 0) for t in (a, b)]
-    ok = {
-        "value": torch.equal(y, expected),
-        "grad": torch.equal(x.grad, want_grad),
-        "contiguous": y.is_contiguous(),
-        "packed": all(torch.equal(p, q) for p, q in zip(packed, alone, strict=True)),
-    }
+    ok = {"value": torch.equal(y, expected), "grad": torch.equal(x.grad, want_grad), "contiguous": y.is_contiguous()}
+
+    # shared collectives (batch-first, b = 3: the views ordering applies) against one exchange
+    # per tensor: values, gradients, calls; then with buckets small enough to split them
+    shapes = [(3, 2, 2 * n, 5), (3, 2, n, 5)]  # (batch, sequence, heads, d), heads differ
+    inputs = [_full(shape, 20 + i + 10 * rank) for i, shape in enumerate(shapes)]
+    weights = [_full((3, 2 * n, h // n, 5), 30 + i) for i, (_, _, h, _) in enumerate(shapes)]
+    ways = {"views": lambda xs: seq_all_to_all_many(xs, None, 2, 1),
+            "contiguous": lambda xs: seq_all_to_all_many(xs, None, 2, 1, contiguous=True),
+            "alone": lambda xs: [seq_all_to_all(t, None, 2, 1) for t in xs]}
+    got = {}
+    for name, way in [*ways.items(), ("bucketed", ways["views"])]:
+        xs = [t.clone().requires_grad_() for t in inputs]
+        saved = all_to_all.CPU_BUCKET_BYTES
+        if name == "bucketed":
+            all_to_all.CPU_BUCKET_BYTES = inputs[0].numel() * 4
+        try:
+            with comm.CommCounter() as counter:
+                ys = way(xs)
+                sum((y * w).sum() for y, w in zip(ys, weights, strict=True)).backward()
+        finally:
+            all_to_all.CPU_BUCKET_BYTES = saved
+        got[name] = ([y.detach() for y in ys] + [t.grad for t in xs], counter.summary()["all_to_all"]["calls"],
+                     [y.is_contiguous() for y in ys])
+    ok["shared"] = all(all(torch.equal(a, b) for a, b in zip(tensors, got["alone"][0], strict=True))
+                       for tensors, _, _ in got.values())
+    ok["calls"] = {name: calls for name, (_, calls, _) in got.items()} == {
+        "views": 2, "contiguous": 2, "alone": 4, "bucketed": 4}
+    ok["layouts"] = got["views"][2] == [False, False] and got["contiguous"][2] == [True, True]
 
     errors = {}
 
