@@ -454,11 +454,15 @@ def markdown(result: dict) -> str:
             "",
         ]
         if verdicts:
-            ring = any(v.startswith("ring") for v in verdicts)
-            lines += ["Where it does not grow: " + " ".join(verdicts) + (
-                " The ring's transient is quadratic in the tokens per rank (Note [the ring's score blocks]) while "
-                "degree 1's flash kernel is linear, so at this budget halving the tokens per rank does not halve "
-                "the ring's peak." if ring else ""), ""]
+            lines += ["Where it does not grow: " + " ".join(verdicts), ""]
+            rings = [f for f in result["fits"] if f["method"] in ("ring", "ring_balanced") and f["degree"] > 1]
+            if rings:
+                per_rank = "; ".join(f"{f['method']} P = {f['degree']}: {f['longest'] // f['degree']}" for f in rings)
+                lines += [("Tokens per rank at the cap for the rings (" + per_rank + "): from P = 2 on about constant, "
+                           "so S doubles with P there; what caps a ring rank is its attention kernel's transient, "
+                           "quadratic in the tokens per rank (Note [the ring's score blocks]), where degree 1's flash "
+                           "kernel needs a few tiles. The step from P = 1 to 2 is the change of kernel, not the split."),
+                          ""]
     ds = result.get("deepspeed")
     if ds:
         lines += ["### Ulysses beside DeepSpeed's DistributedAttention (`benchmarks/ulysses_ds.py`)", ""]

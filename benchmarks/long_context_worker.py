@@ -39,14 +39,14 @@ PRELOAD = ["torch._dynamo", "long_context_worker", "pipeline_worker", "meshspeed
 
 @dataclass(frozen=True)
 class Model:
-    n_layer: int = 2
-    d_model: int = 256
-    n_head: int = 8
-    n_kv_head: int | None = None  # None: n_head (no grouped-query attention)
+    n_layer: int = 2  # GPT blocks
+    d_model: int = 256  # residual width
+    n_head: int = 8  # query heads (head_dim = d_model / n_head)
+    n_kv_head: int | None = None  # key/value heads; None: n_head (no grouped-query attention)
     vocab_size: int = 256
-    zero_stage: int = 1
-    lr: float = 1e-3
-    seed: int = 1234
+    zero_stage: int = 1  # ZeRO stage of the engine (optimizer state sharded over the cp ranks)
+    lr: float = 1e-3  # AdamW
+    seed: int = 1234  # weights and data
 
     @property
     def head_dim(self) -> int:
@@ -60,15 +60,10 @@ class Model:
 @dataclass(frozen=True)
 class Job:
     method: str  # "baseline" at degree 1, else one of METHODS
-    degree: int
-    seq_len: int
+    degree: int  # ranks = the cp degree (dp = 1)
+    seq_len: int  # S, the whole sequence
     model: Model
-    comms_timeout: float = 60.0
-
-
-def ulysses_size(job: Job) -> int | None:
-    """hybrid's all-to-all degree: 2 (its ring is degree / 2)."""
-    return 2 if job.method == "hybrid" else None
+    comms_timeout: float = 60.0  # the engine's; short, so that a rank left waiting fails
 
 
 def engine_config(job: Job) -> dict:
@@ -85,7 +80,7 @@ def engine_config(job: Job) -> dict:
     if job.degree > 1:
         cfg["context_parallel"] = {"size": job.degree, "mode": job.method}
         if job.method == "hybrid":
-            cfg["context_parallel"]["ulysses_size"] = ulysses_size(job)
+            cfg["context_parallel"]["ulysses_size"] = 2  # all-to-all in pairs, the ring across them
     return cfg
 
 
