@@ -9,7 +9,7 @@ For each degree P in `--degrees`, P gloo ranks on this machine (one intra-op thr
 build both frameworks' `DistributedAttention(local_attention, WORLD, scatter_idx=2,
 gather_idx=...)` and call them as a DeepSpeed script does, `attn(q, k, v, batch_dim_idx)`,
 on the same tensors (fixed seeds): b x S tokens x h heads x d = 64 in fp32, this rank's
-S/P tokens, DeepSpeed's [s, b, h, d] layout and batch-first [b, s, h, d].
+S/P tokens, in DeepSpeed's [s, b, h, d] layout and (exchange mode) batch-first [b, s, h, d].
 
 Note [both frameworks in the same ranks]
 This machine is shared and its load moves by a factor of two within a minute, so runs of
@@ -22,8 +22,11 @@ the torch is the one this venv has too. Without that venv only meshspeed runs.
 
 Note [what is timed]
 One call is the forward and the backward with a fixed random upstream gradient, started at
-a barrier; its time is the slowest rank's; the table shows the median of `--repeats` calls
-after `--warmup` untimed ones. Two modes:
+a barrier; its time is the slowest rank's. The table shows the median of `--repeats` calls
+(twice as many in exchange mode) after `--warmup` untimed ones, and as the ratio the
+median over repeats of meshspeed's call over DeepSpeed's call of the same repeat: the two
+ran back to back, under nearly the same load, so the paired ratio is steadier than the
+ratio of the medians when other work comes and goes. Two modes:
 - attention: the local attention is causal SDPA in the layout (the same function for
   both frameworks: permute to [b, h, S, d], `scaled_dot_product_attention`, permute back).
   This is the workload; with S in the thousands the attention's S^2 work dominates, so the
@@ -31,7 +34,9 @@ after `--warmup` untimed ones. Two modes:
   own local_attention=None (the same SDPA, its q, k, v in one all-to-all).
 - exchange: the local attention is q + k + v, which costs almost nothing, so the time is
   the layer itself: the all-to-alls and the copies around them.
-At P = 4 the 2 cores are oversubscribed (pipeline.py's Note [p = 4 on two cores]): both
+"others' load" is the share of the machine's CPU time that other processes took meanwhile
+(pipeline_worker.py's LoadMeter): where it is high, the times are the scheduler's as much
+as the frameworks'. At P = 4 the 2 cores are oversubscribed (pipeline.py's Note [p = 4 on two cores]): both
 frameworks run under the same time sharing, so the ratio still compares them; the absolute
 times do not measure a 4-way split.
 
@@ -55,6 +60,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also in spawned ranks
+
+from pipeline_worker import LoadMeter  # imports only torch
 
 REPO = Path(__file__).resolve().parent.parent
 ANCHOR_PY = Path("/root/.cache/meshspeed-anchors/bin/python")
@@ -161,15 +170,18 @@ def _rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
         variants = list(_variants(classes, case["mode"], case["layout"]).items())
         batch_dim = LAYOUTS[case["layout"]][2]
         seconds = {name: [] for name, _ in variants}
-        for i in range(plan["warmup"] + plan["repeats"]):
+        meter = LoadMeter()
+        for i in range(plan["warmup"] + case["repeats"]):
+            if i == plan["warmup"]:
+                meter.start()
             for name, attn in variants[i % len(variants):] + variants[:i % len(variants)]:
                 t = _call(attn, qkv, grad, batch_dim)
                 if i >= plan["warmup"]:
                     seconds[name].append(t)
-        rows += [{**case, "P": world, "variant": name, "seconds": sec} for name, sec in seconds.items()]
+        others = meter.stop(dist.all_gather_object)
+        rows += [{**case, "P": world, "variant": name, "seconds": sec, "others": others} for name, sec in seconds.items()]
         if rank == 0:
-            cells = ", ".join(f"{name} {statistics.median(sec) * 1e3:.1f} ms" for name, sec in seconds.items())
-            print(f"  P={world} {case}: {cells}", flush=True)
+            print(table(rows[-len(seconds):]).splitlines()[-1], flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps({"rows": rows, "parity": float(worst)}))
     dist.barrier()
@@ -203,30 +215,38 @@ def _run(world: int, plan: dict, tmp: Path) -> dict:
 
 
 def _plan(args) -> dict:
-    cases = [{"mode": "attention", "layout": layout, "b": 1, "h": args.heads, "S": S}
-             for layout in LAYOUTS for S in args.seq]
-    cases += [{"mode": "exchange", "layout": layout, "b": b, "h": args.heads, "S": max(args.seq)}
-              for layout in LAYOUTS for b in (1, 4)]
-    return {"cases": cases, "warmup": args.warmup, "repeats": args.repeats, "deepspeed": ANCHOR_PY.exists()}
+    """Attention in DeepSpeed's layout at every S; the exchange alone in both layouts, at b = 1
+    and the longest S, and at b = 4 and half of it."""
+    longest = max(args.seq)
+    cases = [{"mode": "attention", "layout": "sbhd", "b": 1, "h": args.heads, "S": S, "repeats": args.repeats}
+             for S in args.seq]
+    cases += [{"mode": "exchange", "layout": layout, "b": b, "h": args.heads, "S": S, "repeats": 2 * args.repeats}
+              for layout in LAYOUTS for b, S in ((1, longest), (4, longest // 2))]
+    return {"cases": cases, "warmup": args.warmup, "deepspeed": ANCHOR_PY.exists()}
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: per case the median ms of each variant, meshspeed's over DeepSpeed's."""
-    medians: dict[tuple, dict[str, float]] = {}
+    """Markdown: per case the median ms of each variant and meshspeed's ratio to DeepSpeed,
+    the median over repeats of a meshspeed call over the DeepSpeed call of the same repeat
+    (Note [what is timed])."""
+    by_case: dict[tuple, dict[str, list[float]]] = {}
     for r in rows:
         key = (r["mode"], r["P"], r["layout"], r["b"], r["h"], r["S"])
-        medians.setdefault(key, {})[r["variant"]] = statistics.median(r["seconds"]) * 1e3
-    lines = [f"| mode | P | layout | b | h | S | {DEEPSPEED} ms | {MESHSPEED} ms | ratio | {DEFAULT} ms | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for key in sorted(medians):
-        m = medians[key]
-        ds = m.get(DEEPSPEED)
+        by_case.setdefault(key, {})[r["variant"]] = r["seconds"]
+    head = f"| mode | P | layout | b | h | S | {DEEPSPEED} ms | {MESHSPEED} ms | ratio | {DEFAULT} ms | ratio "
+    lines = [head + "| others' load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    others = {(r["mode"], r["P"], r["layout"], r["b"], r["h"], r["S"]): r.get("others") for r in rows}
+    for key in sorted(by_case, key=lambda k: (k[0] != "attention", *k)):
+        seconds = by_case[key]
+        ds = seconds.get(DEEPSPEED)
         cells = [str(x) for x in key]
         for name in (DEEPSPEED, MESHSPEED, DEFAULT):
-            v = m.get(name)
-            cells.append("" if v is None else f"{v:.1f}")
+            sec = seconds.get(name)
+            cells.append("" if sec is None else f"{statistics.median(sec) * 1e3:.1f}")
             if name != DEEPSPEED:
-                cells.append("" if v is None or ds is None else f"{v / ds:.2f}x")
+                paired = None if sec is None or ds is None else statistics.median(m / d for m, d in zip(sec, ds, strict=True))
+                cells.append("" if paired is None else f"{paired:.2f}x")
+        cells.append("" if others[key] is None else f"{others[key]:.0%}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -53,8 +53,8 @@ sequence nor last (older scripts omit it). `rotary_pos_emb` is DeepSpeed's too: 
 sin) pair of 4-d tensors with dims 0 and 1 swapped against the gathered q and k
 (Megatron's [S, 1, 1, rot] for batch-first q, [1, S, 1, rot] for [s, b, h, d]), applied
 to the first `rot` features of every head after the first all-to-all, rotate-half style.
-`sp_stream` (CUDA stream overlap) is accepted and unused: meshspeed issues the exchanges
-in one collective instead.
+`sp_stream` (DeepSpeed overlaps its q and k exchanges with the caller's work on that CUDA
+stream) is accepted and unused: meshspeed sends q, k and v in one collective instead.
 """
 
 from __future__ import annotations
@@ -77,11 +77,12 @@ class DistributedAttention(nn.Module):
     """DeepSpeed's `deepspeed.sequence.layer.DistributedAttention`.
 
     `local_attention(q, k, v, *args, **kwargs)` runs on every token of h/P heads, in the
-    layout of the inputs (e.g. [S, b, h/P, d]), on contiguous tensors; None uses
-    `scaled_dot_product_attention` (keywords `causal`, default True, and `scale`; extra
-    forward keywords go to SDPA). `sequence_process_group` None is the default group.
-    `num_kv_heads`, if given, must be the key's head count. Layouts: Note [DeepSpeed's
-    layouts]; volume: Note [Ulysses communication volume]; GQA: Note [grouped-query heads].
+    layout of the inputs (e.g. [S, b, h/P, d]), on contiguous tensors, after
+    `rotary_pos_emb` if given; None uses `scaled_dot_product_attention` (keywords `causal`,
+    default True, and `scale`; extra forward arguments go to SDPA, `is_causal=False` with
+    an `attn_mask`). `sequence_process_group` None is the default group. `num_kv_heads`, if
+    given, must be the key's head count. Layouts and rotary: Note [DeepSpeed's layouts];
+    volume: Note [Ulysses communication volume]; GQA: Note [grouped-query heads].
     """
 
     def __init__(

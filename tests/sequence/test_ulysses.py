@@ -109,8 +109,9 @@ def _heads(n: int) -> list[tuple[int, int]]:
 
 
 def _layer_case(n: int, rank: int, layout: str, causal: bool, S: int, hq: int, hkv: int, user: bool,
-                rotary: bool, pass_batch: bool) -> list[str]:
-    """Run one DistributedAttention case; return what failed (empty if it matched)."""
+                rotary: bool, pass_batch: bool, group=None) -> list[str]:
+    """Run one DistributedAttention case over `group` (n ranks, this one `rank` in it);
+    return what failed (empty if it matched)."""
     seed = S * 1000 + hq * 10 + hkv
     Q, K, V = _full((B, S, hq, D), seed), _full((B, S, hkv, D), seed + 1), _full((B, S, hkv, D), seed + 2)
     dO = _full((B, S, hq, D), seed + 3)
@@ -119,10 +120,8 @@ def _layer_case(n: int, rank: int, layout: str, causal: bool, S: int, hq: int, h
     ref.backward(dO)
 
     scatter, gather, batch = LAYOUTS[layout]
-    local = None
-    if user:
-        local = _user_attention
-    attn = DistributedAttention(local, None, scatter_idx=scatter, gather_idx=gather, causal=causal)
+    local = _user_attention if user else None
+    attn = DistributedAttention(local, group, scatter_idx=scatter, gather_idx=gather, causal=causal)
     qkv = [_shard(t, layout, rank, n).requires_grad_() for t in (Q, K, V)]
     extra = {"layout": layout, "causal": causal} if user else {}
     rope = _cos_sin(S, layout) if rotary else None
@@ -236,8 +235,9 @@ def test_all_to_all_bytes_match_the_formula(world_size):
 
 
 def _all_to_all_and_errors() -> dict:
-    """seq_all_to_all against the permutation it stands for, on 4 ranks; then every error,
-    raised identically on every rank before any collective."""
+    """seq_all_to_all against the permutation it stands for, on 4 ranks; shared collectives
+    and buckets against one exchange per tensor; DistributedAttention over a group of 2 of
+    the 4 ranks; then every error, raised identically on every rank."""
     n, rank = comm.get_world_size(), comm.get_rank()
     full = _full((n * 2, 3, n * 3, 5), 11)  # (sequence, batch, heads, d): every rank's slice stacked
     x = full.narrow(0, rank * 2, 2).clone().requires_grad_()
@@ -277,6 +277,14 @@ def _all_to_all_and_errors() -> dict:
     ok["calls"] = {name: calls for name, (_, calls, _) in got.items()} == {
         "views": 2, "contiguous": 2, "alone": 4, "bucketed": 4}
     ok["layouts"] = got["views"][2] == [False, False] and got["contiguous"][2] == [True, True]
+
+    # a sequence group that is not the world: ranks {0, 1} and {2, 3}, each pair on its own
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    ok["subgroup"] = all(not _layer_case(2, rank % 2, layout, True, 6, 4, 1, user, False, True, group=mine)
+                         for layout in ("sbhd", "bshd") for user in (False, True))
 
     errors = {}
 
