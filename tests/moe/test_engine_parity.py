@@ -124,7 +124,7 @@ def reference(setup: Setup):
     torch.manual_seed(0)
     model = TinyMoE(1, setup.k)
     opt = torch.optim.SGD(model.parameters(), lr=setup.lr, momentum=0.9)
-    losses, first_grads = [], None
+    losses, first_grads, norms = [], None, []
     for batch in _batches(setup):
         # one chunk per data-parallel rank and micro-step, routed on its own
         chunks = [c for micro in batch for c in micro.split(MICRO)]
@@ -133,11 +133,11 @@ def reference(setup: Setup):
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         if setup.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), setup.clip)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), setup.clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}, first_grads
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, first_grads, norms
 
 
 def _global_state(engine, setup: Setup) -> dict[str, torch.Tensor]:
@@ -175,7 +175,7 @@ def engine_run(setup: Setup, save_dir: str | None = None):
 
     engine = _engine(setup)
     dp_rank = engine.mesh.coord("dp")
-    losses = []
+    losses, norms = [], []
     for batch in _batches(setup):
         total = torch.zeros(())
         for micro in batch:
@@ -186,9 +186,11 @@ def engine_run(setup: Setup, save_dir: str | None = None):
             total += loss.detach()
         comm.all_reduce(total)
         losses.append(total.item() / (setup.world * setup.gas))
+        if setup.clip > 0:
+            norms.append(engine.get_global_grad_norm())
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="t")
-    return losses, _global_state(engine, setup)
+    return losses, _global_state(engine, setup), norms
 
 
 def load_run(setup: Setup, save_dir: str):
@@ -203,8 +205,12 @@ def engine_runs(setups):
 
 def _check(setups: list[Setup]) -> None:
     results = run_distributed(engine_runs, world_size=setups[0].world, args=(setups,), timeout=600)[0]
-    for setup, (losses, state) in zip(setups, results):
-        ref_losses, ref_state, _ = reference(setup)
+    for setup, (losses, state, norms) in zip(setups, results):
+        ref_losses, ref_state, _, ref_norms = reference(setup)
+        # the global norm counts every element once: dense shards over dp, experts over edp x ep
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, s=setup: f"{s}: gradient norms differ: {m}")
+        assert all(n > setup.clip for n in ref_norms)  # clipping was active
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, s=setup: f"{s}: losses differ: {m}")
         assert state.keys() == ref_state.keys()
@@ -233,10 +239,10 @@ def test_expert_gradients_are_the_dp_mean(stage):
     gradient: the experts' must be the mean over all dp ranks' losses (4 ranks, ep 2 x edp
     2), not ep times it (DeepSpeed's old division by edp)."""
     setup = Setup(world=4, ep=2, k=2, stage=stage, steps=1, lr=1.0)
-    (_, state), = run_distributed(engine_runs, world_size=4, args=([setup],), timeout=600)[0]
+    (_, state, _), = run_distributed(engine_runs, world_size=4, args=([setup],), timeout=600)[0]
     torch.manual_seed(0)
     before = TinyMoE(1, setup.k).state_dict()
-    _, _, grads = reference(setup)
+    _, _, grads, _ = reference(setup)
     experts = [n for n in grads if _expert_id(n) is not None]
     assert len(experts) == 2 * EXPERTS * 4  # 2 blocks x 4 experts x (2 weights + 2 biases)
     for name in experts:
@@ -276,7 +282,7 @@ def test_checkpoint_reads_back_at_other_ep_dp_and_stage(tmp_path, stage):
     on 2 ranks loads at ep 2 x edp 2 (4 ranks), at ep 4, and in one process (ep 1)."""
     path = str(tmp_path)
     saved = Setup(world=2, ep=2, k=1, stage=stage, steps=2)
-    _, state = run_distributed(engine_run, world_size=2, args=(saved, path), timeout=300)[0]
+    _, state, _ = run_distributed(engine_run, world_size=2, args=(saved, path), timeout=300)[0]
     for world, ep, to_stage in ((2, 2, 3 - stage), (4, 2, 3), (4, 4, stage), (1, 1, 1)):
         setup = Setup(world=world, ep=ep, k=1, stage=to_stage)
         loaded = run_distributed(load_run, world_size=world, args=(setup, path), timeout=300)[0]
