@@ -290,3 +290,27 @@ def test_checkpoint_reads_back_at_other_ep_dp_and_stage(tmp_path, stage):
         for name in state:
             torch.testing.assert_close(loaded[name], state[name], rtol=0, atol=0,
                                        msg=lambda m, n=name, s=setup: f"{s}: {n}: {m}")
+
+
+def expert_groups_answer(setup: Setup):
+    from meshspeed import comm
+    from meshspeed.utils import groups
+
+    engine = _engine(setup)
+    name = engine.module.blocks[0].moe.expert_group_name
+    layer_group = engine.module.blocks[0].moe.deepspeed_moe.ep_group
+    try:
+        groups._get_expert_parallel_group("ep_size_3")
+        unknown = "no error"
+    except KeyError as err:
+        unknown = str(err)
+    return (name, groups._get_expert_parallel_world_size(name), groups._get_expert_parallel_rank(name),
+            groups._get_expert_data_parallel_world_size(name), groups._get_expert_data_parallel_rank(name),
+            comm.get_world_size(layer_group), layer_group is groups._get_expert_parallel_group(name), unknown)
+
+
+def test_deepspeed_expert_group_accessors_answer_from_the_mesh():
+    answers = run_distributed(expert_groups_answer, world_size=4, args=(Setup(world=4, ep=2),), timeout=300)
+    for rank, (name, ep, ep_rank, edp, edp_rank, layer_ep, same, unknown) in enumerate(answers):
+        assert (name, ep, ep_rank, edp, edp_rank, layer_ep, same) == ("ep_size_2", 2, rank % 2, 2, rank // 2, 2, True)
+        assert "No expert parallel group 'ep_size_3'" in unknown
