@@ -314,3 +314,21 @@ def test_deepspeed_expert_group_accessors_answer_from_the_mesh():
     for rank, (name, ep, ep_rank, edp, edp_rank, layer_ep, same, unknown) in enumerate(answers):
         assert (name, ep, ep_rank, edp, edp_rank, layer_ep, same) == ("ep_size_2", 2, rank % 2, 2, rank // 2, 2, True)
         assert "No expert parallel group 'ep_size_3'" in unknown
+
+
+def save_16bit_error(setup: Setup, path: str) -> str:
+    from meshspeed.checkpoint.errors import CheckpointError
+
+    engine = _engine(setup)
+    try:
+        engine.save_16bit_model(path)
+    except CheckpointError as err:
+        return str(err)
+    return "no error"
+
+
+def test_save_16bit_model_refuses_expert_parallelism(tmp_path):
+    """It would write rank 0's experts only: refused on every rank, not a partial file."""
+    answers = run_distributed(save_16bit_error, world_size=2, args=(Setup(), str(tmp_path)), timeout=300)
+    assert all("save_16bit_model with expert parallelism (ep 2)" in a for a in answers)
+    assert not list(tmp_path.iterdir())
