@@ -176,7 +176,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     same_everywhere("checkpoint to load", os.path.abspath(path))
     slices = everywhere(ordered_slices, engine)
     names = None
-    if engine.topology.size("pp") > 1:  # Note [a checkpoint of pipeline stages]
+    # Note [a checkpoint of pipeline stages]; each ep rank holds other experts (named by
+    # their global expert id, meshspeed/parallel/experts.py)
+    if engine.topology.size("pp") > 1 or engine.topology.size("ep") > 1:
         names = {n for part in comm.all_gather_object([s.name for s in slices]) for n in part}
     slices = everywhere(match_model, path, meta, slices, load_module_strict, names)
     store = SavedTensors(path, meta)

@@ -36,6 +36,7 @@ from meshspeed.optim.precision import build_scaler
 from meshspeed.parallel import registry
 from meshspeed.parallel.activation_setup import configure_from_config
 from meshspeed.parallel.data.ddp import DataParallel
+from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.parallel.protocol import Strategy
 from meshspeed.parallel.zero.groups import UnitGroups
@@ -102,7 +103,6 @@ def initialize(
         raise ValueError(f"initialize(model=...): {type(model).__name__} has no trainable parameters "
                          f"({count} parameters, all with requires_grad=False); unfreeze some "
                          "(p.requires_grad_(True)) or run the model without an engine for inference")
-    _check_experts(model)
     pipelined = isinstance(model, PipelineModule)  # any number of stages: DeepSpeed's engine
     if pipelined:
         check_pipeline(model, cfg)
@@ -112,7 +112,8 @@ def initialize(
     tied = TiedGrads(module, topology)  # collective: every rank makes the tied groups
     tied.broadcast_from_first()  # Note [summing tied gradients over stages]
     placement = offload_placement(cfg)
-    strategy = _build_strategy(module, dp_group, cfg, placement)
+    experts = _wire_experts(module, topology, placement)
+    strategy = _build_strategy(module, dp_group, cfg, placement, experts)
     if not isinstance(strategy, Strategy):  # a strategy missing part of the protocol
         raise TypeError(f"{type(strategy).__name__} does not implement meshspeed.parallel.protocol.Strategy")
     configure_from_config(cfg, topology)  # the activation_checkpointing block, with the tp group
@@ -147,19 +148,31 @@ def initialize(
     return engine, opt, loader, scheduler
 
 
-def _check_experts(model: nn.Module) -> None:
-    """MoE layers with ep_size 1 train as any layer (their experts are local, their
-    gradients averaged over data parallelism). Expert parallelism needs the engine to
-    hand the layers the mesh's ep group and to reduce expert gradients over edp, which it
-    does not do yet: refused rather than run wrong."""
-    from meshspeed.moe.layer import MoE
+def _wire_experts(model: nn.Module, topology, placement) -> ExpertSpec | None:
+    """Hand every MoE layer with ep_size > 1 the mesh's ep group (build_layout made the
+    ep axis the layers' ep_size); what the strategy needs to know of their parameters
+    (Note [expert parameters in the strategies]), None without expert parallelism.
+    MoE layers with ep_size 1 train as any layer: their experts are local, their
+    gradients averaged over data parallelism."""
+    from meshspeed.moe.utils import expert_layers, global_expert_names
 
-    sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE) and m.ep_size > 1})
-    if sizes:
-        raise ConfigError([(f"MoE layers with ep_size {sizes[0]}: expert parallelism is not wired into "
-                           "meshspeed's engine in this version (the layer and its all-to-all exist, "
-                           "meshspeed.moe.layer); build the layers with ep_size=1 (every expert on "
-                           "every rank) to train them with initialize")])
+    if topology.size("ep") == 1:
+        return None
+    if placement is not None:
+        raise ConfigError([(f"expert parallelism (MoE ep_size {topology.size('ep')}) with ZeRO "
+                           "offload (offload_optimizer / offload_param) is not supported in this "
+                           "version; turn offload off or build the MoE layers with ep_size=1")])
+    if any(is_partitioned(p) for p in model.parameters()):
+        raise ConfigError([(f"expert parallelism (MoE ep_size {topology.size('ep')}) with a model "
+                           "built under meshspeed.zero.Init is not supported in this version "
+                           "(zero.Init slices expert weights over all data-parallel ranks); build "
+                           "the model normally, ZeRO-3 still shards it")])
+    group = topology.group("ep")
+    for _, layer in expert_layers(model):
+        if layer.ep_size > 1:
+            layer.set_expert_group(group)
+    names = global_expert_names(model, topology.coord("ep"))
+    return ExpertSpec(topology.group("edp"), topology.size("dp"), names)
 
 
 def _context_parallel(model: nn.Module, topology, cfg: MeshspeedConfig):
@@ -207,20 +220,21 @@ def _comm_dtype(cfg: MeshspeedConfig) -> torch.dtype:
     return torch.float32 if name is None else _DTYPES[name]
 
 
-def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement):
+def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement,
+                    experts: ExpertSpec | None = None):
     z = cfg.zero_optimization
     if cfg.zero_stage == 0:
         for p in module.parameters():  # zero.Init slices: data parallelism needs them whole
             if is_partitioned(p):
                 gather_partitioned(p)
         return DataParallel(module, group, bucket_numel=z.reduce_bucket_size,
-                            comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm)
+                            comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm, experts=experts)
     return Zero(
         module, UnitGroups(shard=group), stage=cfg.zero_stage, bucket_numel=z.reduce_bucket_size,
         persistence_threshold=z.stage3_param_persistence_threshold,
         prefetch_numel=z.stage3_prefetch_bucket_size,
         max_live_numel=z.stage3_max_live_parameters, comm_dtype=_comm_dtype(cfg),
-        placement=placement,
+        placement=placement, experts=experts,
     )
 
 

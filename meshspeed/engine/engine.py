@@ -294,6 +294,12 @@ class MeshspeedEngine(nn.Module):
             return
         self._apply_step()
 
+    def _norm_weights(self, masters: list) -> list[float] | None:
+        """The strategy's per-gradient weights of the global norm (stage 0 with expert
+        parallelism), None for strategies whose shards are disjoint."""
+        weights = getattr(self.strategy, "grad_norm_weights", None)
+        return None if weights is None else weights(masters)
+
     def _apply_step(self) -> None:
         """The optimizer step at an accumulation boundary: agree, reduce, check, clip, step."""
         # Note [agreement before each step]
@@ -326,7 +332,8 @@ class MeshspeedEngine(nn.Module):
                 norm = global_grad_norm([m.grad for m in counted] if deferred is None else [], groups,
                                         self.device, tp_group=self._tp.group,
                                         tp_split=self._tp.split_mask(counted),
-                                        norms=None if deferred is None else deferred.norms(counted))
+                                        norms=None if deferred is None else deferred.norms(counted),
+                                        weights=self._norm_weights(counted))
                 clip_by_norm_(grads, self.config.gradient_clipping, norm)
                 if deferred is not None:
                     deferred.clip_(clip_coef(self.config.gradient_clipping, norm))

@@ -88,6 +88,21 @@ def pipeline_degree(config: Any, model: nn.Module) -> int:
     return stages
 
 
+def expert_degree(model: nn.Module) -> int:
+    """ep: the `ep_size` of the model's MoE layers (1 without any). Every layer with
+    ep_size > 1 must have the same one: the mesh has one ep axis."""
+    from meshspeed.moe.utils import expert_layers
+
+    sizes = {name: layer.ep_size for name, layer in expert_layers(model)}
+    distinct = sorted(set(sizes.values()))
+    if len(distinct) > 1:
+        first = {size: name for name, size in reversed(list(sizes.items()))}
+        which = ", ".join(f"{first[n]!r} has ep_size {n}" for n in distinct)
+        raise ConfigError([(f"MoE layers with different ep_size ({which}): the mesh has one "
+                           "expert-parallel axis; build every MoE layer with the same ep_size")])
+    return distinct[0] if distinct else 1
+
+
 def mesh_param_degrees(mesh_param: Any) -> tuple[int, int] | None:
     """DeepSpeed's `initialize(mesh_param=(dp, sp))`: data-parallel and Ulysses degrees."""
     if mesh_param is None:
@@ -107,6 +122,7 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module,
     tp = tensor_parallel_degree(config, model, mpu)
     pp = pipeline_degree(config, model)
     cp = context_parallel_section(config).size
+    ep = expert_degree(model)
     if mesh is not None and mesh[1] > 1:
         if cp > 1 and cp != mesh[1]:
             raise ConfigError([(f"initialize(mesh_param={mesh}) asks for sequence parallel size {mesh[1]}, "
@@ -123,6 +139,8 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module,
         raise ConfigError([(f"initialize(mpu=...) with a {pp}-stage PipelineModule: the pipeline layout "
                            "comes from the module and the config here; drop mpu= (tensor "
                            "parallelism: tensor_parallel.autotp_size)")])
+    if ep > 1:
+        _check_expert_combinations(ep, tp, cp, pp, mpu)
     if mpu is not None:
         topology = topology_from_mpu(mpu)
         if tp > 1 and tp != topology.size("tp"):
@@ -135,7 +153,12 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module,
                 + (f" x context parallel size {cp}" if cp > 1 else ""))
         raise ConfigError([(f"{what} does not divide the world size "
                            f"{world} ({describe_world()}); use a divisor of {world}")])
-    topology = build_topology(ParallelDims(world, tp=tp, pp=pp, cp=cp), device_type=device.type)
+    dp_size = world // (tp * pp * cp)
+    if dp_size % ep:
+        raise ConfigError([(f"MoE ep_size {ep} does not divide the data-parallel size {dp_size} "
+                           f"({world} ranks / tensor, pipeline and context degrees); use an ep_size "
+                           f"that divides {dp_size}, or a world size that is a multiple of {ep}")])
+    topology = build_topology(ParallelDims(world, tp=tp, pp=pp, cp=cp, ep=ep), device_type=device.type)
     dp = _read(config).get("data_parallel_size") if not isinstance(config, MeshspeedConfig) else \
         config.data_parallel_size
     for what, want in (("initialize(mesh_param=...)", mesh[0] if mesh else None),
@@ -145,6 +168,17 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module,
                                f"{describe_layout(topology)} leave {topology.size('dp')}; make them agree")])
     _check_requested_group(model, topology)
     return topology
+
+
+def _check_expert_combinations(ep: int, tp: int, cp: int, pp: int, mpu: Any) -> None:
+    what = (f"context parallelism (size {cp})" if cp > 1 else
+            f"tensor parallelism (size {tp})" if tp > 1 else
+            f"a {pp}-stage PipelineModule" if pp > 1 else
+            "initialize(mpu=...)" if mpu is not None else None)
+    if what is not None:
+        raise ConfigError([(f"expert parallelism (MoE ep_size {ep}) with {what} is not supported in "
+                           "this version; expert parallelism composes with data parallelism and "
+                           "every ZeRO stage")])
 
 
 def _check_requested_group(model: nn.Module, topology: Topology) -> None:
@@ -165,6 +199,8 @@ def describe_layout(topology: Topology) -> str:
     dims = topology.dims
     parts = [f"{axis}={dims.size(axis)}" for axis in ("pp", "tp", "cp") if dims.size(axis) > 1]
     text = " x ".join(parts + [f"dp={dims.dp}"])
+    if dims.ep > 1:
+        text += f" (ep={dims.ep} x edp={dims.edp})"
     if topology.source == "mpu":
         return text + " (from the mpu's groups)"
     return text + f" of {describe_world()}" if parts else text + f" ({describe_world()})"

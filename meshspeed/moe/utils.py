@@ -68,3 +68,26 @@ def _chunks(params: list[torch.Tensor], limit: float | None) -> list[list[torch.
         current.append(p)
         size += p.numel()
     return chunks + ([current] if current else [])
+
+
+def expert_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """(name, layer) of every `MoE` layer below `module`."""
+    from meshspeed.moe.layer import MoE
+
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
+
+
+def global_expert_names(module: torch.nn.Module, ep_rank: int) -> dict[int, str]:
+    """id(param) -> the parameter's name with its GLOBAL expert id, for every expert
+    parameter of `module`'s MoE layers: local expert i of ep rank r is global expert
+    r * num_local_experts + i (layer.py). Checkpoints name expert parameters this way, so
+    the ep ranks' experts get distinct names and a checkpoint reads back at any ep size."""
+    out: dict[int, str] = {}
+    for name, layer in expert_layers(module):
+        local = layer.num_local_experts
+        prefix = f"{name}.deepspeed_moe.experts.deepspeed_experts." if name else \
+            "deepspeed_moe.experts.deepspeed_experts."
+        for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            for rest, p in expert.named_parameters():
+                out[id(p)] = f"{prefix}{ep_rank * local + i}.{rest}"
+    return out

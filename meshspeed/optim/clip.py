@@ -13,7 +13,8 @@ from meshspeed import comm
 def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
                      device: torch.device | None = None, *, tp_group: Any = None,
                      tp_split: Sequence[bool] | None = None,
-                     norms: torch.Tensor | None = None) -> torch.Tensor:
+                     norms: torch.Tensor | None = None,
+                     weights: Sequence[float] | None = None) -> torch.Tensor:
     """L2 norm of all gradients. `groups`: the groups over which ranks hold disjoint slices
     of the gradients (the strategy's `grad_norm_groups()`); the squares are summed over
     each, one scalar all-reduce per group, on `device`: the backend's device, which for
@@ -26,7 +27,11 @@ def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
     parameter split over the tp group (each tp rank holds a different piece: its squares
     add up over tp) or to one replicated over it (every tp rank holds the same values:
     counted once). Each rank adds its split squares and 1/tp of its replicated squares,
-    and one more scalar all-reduce over tp gives every rank the same total."""
+    and one more scalar all-reduce over tp gives every rank the same total.
+
+    `weights[i]`: a factor on grads[i]'s squared norm, for gradients replicated over part
+    of `groups` (stage 0 with expert parallelism: dense gradients are replicated over dp,
+    expert gradients over edp only; meshspeed/parallel/experts.py)."""
     if norms is None and grads:
         norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
     if norms is not None and norms.numel():
@@ -36,6 +41,8 @@ def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
             weight = torch.tensor([1.0 if s else 1.0 / tp for s in tp_split], dtype=norms.dtype,
                                   device=norms.device)
             norms = norms * weight
+        if weights is not None:
+            norms = norms * torch.tensor(list(weights), dtype=norms.dtype, device=norms.device)
         sq = norms.sum()
     else:
         sq = torch.zeros(())

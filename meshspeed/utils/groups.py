@@ -80,3 +80,48 @@ def _get_tensor_model_parallel_world_size() -> int:
 
 def _get_tensor_model_parallel_group() -> dist.ProcessGroup:
     return _topology("tensor parallel").group("tp")
+
+
+# -- expert parallelism: DeepSpeed names the groups by the layers' `group_name` ("ep_size_<n>");
+# meshspeed's mesh has one ep axis, so the only name is that of its ep size
+def _expert_topology(group_name: str):
+    topology = _topology("expert parallel")
+    want = f"ep_size_{topology.size('ep')}"
+    if group_name != want:
+        raise KeyError(f"No expert parallel group {group_name!r}: this run's MoE layers have "
+                       f"{want!r} (meshspeed has one expert-parallel axis)")
+    return topology
+
+
+def _get_expert_parallel_group(group_name: str) -> dist.ProcessGroup:
+    return _expert_topology(group_name).group("ep")
+
+
+def _get_expert_data_parallel_group(group_name: str) -> dist.ProcessGroup:
+    return _expert_topology(group_name).group("edp")
+
+
+def _get_expert_parallel_group_dict() -> dict[str, dist.ProcessGroup]:
+    topology = _topology("expert parallel")
+    return {f"ep_size_{topology.size('ep')}": topology.group("ep")}
+
+
+def _get_expert_data_parallel_group_dict() -> dict[str, dist.ProcessGroup]:
+    topology = _topology("expert data parallel")
+    return {f"ep_size_{topology.size('ep')}": topology.group("edp")}
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return _expert_topology(group_name).size("ep")
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return _expert_topology(group_name).coord("ep")
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return _expert_topology(group_name).size("edp")
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return _expert_topology(group_name).coord("edp")

@@ -133,26 +133,30 @@ def test_expert_parameters_get_groups_of_their_own():
         ("parameters", 2, False, 0.1), ("ep_size_2", 1, True, 0.1), ("ep_size_2", 1, True, 0.1)]
 
 
-def test_moe_layer_builds_and_expert_parallel_training_is_refused_at_initialize():
-    """The layer exists (tests/moe); initialize refuses ep_size > 1 until the engine reduces
-    expert gradients over expert-data parallelism, rather than training them wrong."""
+def test_moe_layer_builds_and_expert_parallel_training_initializes():
+    """The layer exists (tests/moe); initialize hands ep_size > 1 layers the mesh's ep group
+    (training parity: tests/moe/test_engine_parity.py) and refuses an ep_size that does
+    not divide the data-parallel size."""
     from meshspeed.testing import run_distributed
 
     moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)
     assert len(moe.deepspeed_moe.experts.deepspeed_experts) == 1
-    assert "expert parallelism is not wired" in run_distributed(_initialize_ep2, world_size=1)[0]
+    assert "ep_size 2 does not divide the data-parallel size 1" in run_distributed(_initialize_ep2, world_size=1)[0]
+    assert run_distributed(_initialize_ep2, world_size=2) == ["initialized: ep group of 2"] * 2
 
 
 def _initialize_ep2() -> str:
     import meshspeed
+    from meshspeed import comm
     from meshspeed.config import ConfigError
 
     moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)
     try:
-        meshspeed.initialize(model=nn.Sequential(moe), config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        meshspeed.initialize(model=nn.Sequential(moe), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     except ConfigError as err:
         return str(err)
-    return "no error"
+    return f"initialized: ep group of {comm.get_world_size(moe.deepspeed_moe.ep_group)}"
 
 
 # -- ops.adam -------------------------------------------------------------------------------

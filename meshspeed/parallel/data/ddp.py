@@ -15,6 +15,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.buckets import GradViews, split_by_numel, trainable
+from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.weak import weak_method
@@ -23,7 +24,8 @@ from meshspeed.parallel.weak import weak_method
 class _Bucket(GradViews):
     """Gradients of consecutive parameters in one flat buffer, all-reduced as one."""
 
-    def __init__(self, params: list[nn.Parameter], comm_dtype: torch.dtype):
+    def __init__(self, params: list[nn.Parameter], comm_dtype: torch.dtype, group):
+        self.group = group  # the ranks holding the same parameters: dp, or edp for experts
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
@@ -47,17 +49,23 @@ class DataParallel:
         bucket_numel: int,
         comm_dtype: torch.dtype = torch.float32,
         overlap_comm: bool = True,
+        experts: ExpertSpec | None = None,
     ):
         self.module = module
         self.group = group
-        self.world = comm.get_world_size(group)
+        self.world = comm.get_world_size(group)  # every gradient is divided by dp
         self.overlap = overlap_comm
+        self.experts = experts
         params = [p for p in module.parameters()]
         self.params = params
         # frozen parameters need no reduction; reverse order ~ the order backward produces grads
-        self.buckets = [
-            _Bucket(ps, comm_dtype) for ps in split_by_numel(reversed(trainable(params)), bucket_numel)
-        ]
+        order = list(reversed(trainable(params)))
+        dense = [p for p in order if not self._is_expert(p)]
+        expert = [p for p in order if self._is_expert(p)]
+        self.buckets = [_Bucket(ps, comm_dtype, group) for ps in split_by_numel(dense, bucket_numel)]
+        if expert:
+            self.buckets += [_Bucket(ps, comm_dtype, experts.group)
+                             for ps in split_by_numel(expert, bucket_numel)]
         for b in self.buckets:
             b.bind()
         self.mixed = any(p.dtype != torch.float32 for p in params)
@@ -72,10 +80,18 @@ class DataParallel:
         self._sync_params()
         registry.register(params, self)
 
+    def _is_expert(self, p: nn.Parameter) -> bool:
+        return self.experts is not None and self.experts.holds(p)
+
+    def _group_of(self, p: nn.Parameter):
+        """The ranks holding replicas of `p`: dp, or edp for an expert parameter."""
+        return self.experts.group if self._is_expert(p) else self.group
+
     def _sync_params(self) -> None:
-        """Start from rank 0's weights so every replica is identical."""
+        """Start from the first replica's weights so every replica is identical (expert
+        parameters: the first of their edp group; other ep ranks hold other experts)."""
         for p in self.params:
-            comm.broadcast(p.data, src=0, group=self.group)
+            comm.broadcast(p.data, src=0, group=self._group_of(p))
         for p in self.params:
             if self.mixed:
                 self.master_of[id(p)].data.copy_(p.data)
@@ -91,7 +107,7 @@ class DataParallel:
         bucket = self.buckets[index]
         bucket.collect()
         buf = bucket.flat if bucket.reduced is None else bucket.reduced.copy_(bucket.flat)
-        bucket.work = comm.all_reduce(buf, group=self.group, async_op=self.overlap)
+        bucket.work = comm.all_reduce(buf, group=bucket.group, async_op=self.overlap)
         self._launched = True
 
     def finish_backward(self) -> None:
@@ -106,7 +122,7 @@ class DataParallel:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            self._reduced(bucket).div_(self.world)
+            self._reduced(bucket).div_(self.world)  # dp, for experts too (Note in layer.py)
         self._averaged = True
 
     @staticmethod
@@ -127,7 +143,19 @@ class DataParallel:
         return [self.master_of[id(p)] for p in self.params]
 
     def grad_norm_groups(self) -> list:
+        if self.experts is not None:
+            return [self.group]  # ep ranks hold different experts: see grad_norm_weights
         return []  # every rank holds every (reduced) gradient: norms need no collective
+
+    def grad_norm_weights(self, masters: list[nn.Parameter]) -> list[float] | None:
+        """Per master, the weight of its squared norm in the sum over `grad_norm_groups()`
+        that counts each element once: a dense gradient is replicated over dp (1/dp), an
+        expert gradient over edp only (1/edp). None: no weights (no collective either)."""
+        if self.experts is None:
+            return None
+        expert_ids = {id(self.master_of[id(p)]) for p in self.params if self._is_expert(p)}
+        edp = comm.get_world_size(self.experts.group)
+        return [1.0 / edp if id(m) in expert_ids else 1.0 / self.world for m in masters]
 
     def deferred_grads(self) -> None:
         return None  # the masters carry their gradients
@@ -163,14 +191,17 @@ class DataParallel:
             grad = bucket.view(self._reduced(bucket), i).reshape(-1)
         publish = (lambda: param.data.copy_(master.detach())) if self.mixed else (lambda: None)
         return ParamAccess(param.shape, 0, param.numel(), master.detach().view(-1), master, grad, False,
-                           self.group, publish)
+                           self._group_of(param), publish)
 
     # -- checkpoint contract ----------------------------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:
-        writer = comm.get_rank(self.group) == 0  # replicas: the first rank writes
+        # replicas: the first rank of the group holding them writes; expert parameters
+        # are named by their global expert id (Note [expert parameters in the strategies])
+        names = self.experts.names if self.experts is not None else {}
         return [
-            OwnedSlice(name, tuple(p.shape), p.dtype, 0, p.numel(), self.master_of[id(p)].view(-1),
-                       self.master_of[id(p)], writer, p.requires_grad)
+            OwnedSlice(names.get(id(p), name), tuple(p.shape), p.dtype, 0, p.numel(),
+                       self.master_of[id(p)].view(-1), self.master_of[id(p)],
+                       comm.get_rank(self._group_of(p)) == 0, p.requires_grad)
             for name, p in self.module.named_parameters()
         ]
 
@@ -185,7 +216,7 @@ class DataParallel:
 
     def publish_user_changes(self, params: list[nn.Parameter], src_rank: int) -> None:
         for p in params:
-            comm.broadcast(p.data, src=src_rank, group=self.group)
+            comm.broadcast(p.data, src=src_rank, group=self._group_of(p))
             if self.mixed:
                 self.master_of[id(p)].data.copy_(p.data)
 

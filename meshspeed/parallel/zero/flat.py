@@ -320,7 +320,7 @@ class FlatUnit:
             if self.groups.replicate is not None:
                 comm.all_reduce(out, group=self.groups.replicate)
             self._reducing = False
-            out.div_(self.groups.size)
+            out.div_(self.groups.divisor)
             if direct:
                 self.grad_shard = out
                 return

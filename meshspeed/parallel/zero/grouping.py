@@ -90,3 +90,22 @@ def module_units(module: nn.Module, persistence_threshold: int, numel=lambda p: 
     units = [u for u in plans.values() if u.params]
     units += [u for u in (root, persistent) if u.params]
     return GroupingPlan(units)
+
+
+def split_experts(plan: GroupingPlan, is_expert) -> GroupingPlan:
+    """Each unit with expert parameters split in two, the dense part and `<name>.experts`
+    (same module): expert units communicate over another group (edp) than dense ones."""
+    units = []
+    for u in plan.units:
+        expert = [(n, p) for n, p in u.params if is_expert(p)]
+        dense = [(n, p) for n, p in u.params if not is_expert(p)]
+        if expert and u.name == "root" and u.shard_params:
+            # the root unit brackets the whole pass; a second root would need a second index
+            raise ValueError("ZeRO stage 3: expert parameters fell into the root unit (shared or "
+                             f"used outside their block: {expert[0][0]}); keep each MoE layer's "
+                             "experts inside it")
+        if dense:
+            units.append(UnitPlan(u.name, dense, u.module, u.shard_params))
+        if expert:
+            units.append(UnitPlan(f"{u.name}.experts", expert, u.module, u.shard_params))
+    return GroupingPlan(units)

@@ -18,9 +18,17 @@ from meshspeed import comm
 class UnitGroups:
     shard: Any = None  # the group the unit's state is sharded over (None: the world)
     replicate: Any = None  # the group each shard is replicated over (None: no replication)
+    # what the reduced gradient is divided by; None: `size`. Expert units shard over edp
+    # but divide by the whole dp size (Note [expert parameters in the strategies])
+    average_over: int | None = None
 
     @property
     def size(self) -> int:
         """How many ranks contribute to each gradient: shard size x replicate size."""
         n = comm.get_world_size(self.shard)
         return n * (comm.get_world_size(self.replicate) if self.replicate is not None else 1)
+
+    @property
+    def divisor(self) -> int:
+        """What the summed gradient is divided by to give the data-parallel mean."""
+        return self.size if self.average_over is None else self.average_over

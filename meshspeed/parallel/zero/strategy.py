@@ -17,6 +17,7 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.parallel import registry
+from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.weak import weak_method
@@ -24,7 +25,7 @@ from meshspeed.parallel.zero import ds_params
 from meshspeed.parallel.zero.ds_params import PartitionView, ZeroParamStatus
 from meshspeed.parallel.zero.external import external_uses
 from meshspeed.parallel.zero.flat import FlatUnit, publish_all
-from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units
+from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units, split_experts
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import full_numel, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.lifecycle import ParamState
@@ -68,6 +69,7 @@ class Zero:
         max_live_numel: int = 1_000_000_000,
         comm_dtype: torch.dtype = torch.float32,
         placement=None,
+        experts: ExpertSpec | None = None,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"Zero handles stages 1-3, got {stage}")
@@ -75,6 +77,10 @@ class Zero:
         self.spec = STAGES[stage]
         self.module = module
         self.groups = groups if isinstance(groups, UnitGroups) else UnitGroups(shard=groups)
+        # Note [expert parameters in the strategies]: expert units shard over edp
+        self.experts = experts
+        self.expert_groups = None if experts is None else \
+            UnitGroups(shard=experts.group, average_over=experts.dp_size)
         self.placement = placement or DevicePlacement()
         self._gather_built_under_init(module, persistence_threshold)
         self._broadcast_stage3_params(module, persistence_threshold)
@@ -86,6 +92,8 @@ class Zero:
         else:
             total = sum(p.numel() for p in module.parameters())
             plan = bucket_units(module, unit_numel(total, bucket_numel))
+        if experts is not None:
+            plan = split_experts(plan, experts.holds)  # units never mix expert and dense
         self.master_of: dict[int, nn.Parameter] = {}
         self.units: list[FlatUnit] = []
         for u in plan.units:
@@ -114,8 +122,15 @@ class Zero:
             ds_params.expose(module.parameters(), self)  # DeepSpeed's p.ds_* (ds_params.py)
         self.placement.bind(self)
 
+    def _groups_of(self, param: nn.Parameter) -> UnitGroups:
+        """The groups of `param`'s unit: expert parameters' edp, or the strategy's."""
+        if self.experts is not None and self.experts.holds(param):
+            return self.expert_groups
+        return self.groups
+
     def _make_unit(self, plan, comm_dtype) -> FlatUnit:
-        unit = FlatUnit(plan.name, plan.params, self.groups, shard_params=plan.shard_params,
+        groups = self._groups_of(plan.params[0][1])  # a unit is all expert or all dense
+        unit = FlatUnit(plan.name, plan.params, groups, shard_params=plan.shard_params,
                         keep_full_grads=not self.spec.shard_grads, pool=self.pool, comm_dtype=comm_dtype)
         if not plan.shard_params:
             unit.broadcast_from(0)  # every replica starts from the first rank's values
@@ -138,9 +153,10 @@ class Zero:
         for p in module.parameters():
             if is_partitioned(p) or p.numel() <= persistence_threshold:
                 continue
-            comm.broadcast(p.data, src=0, group=self.groups.shard)
-            if self.groups.replicate is not None:
-                comm.broadcast(p.data, src=0, group=self.groups.replicate)
+            groups = self._groups_of(p)
+            comm.broadcast(p.data, src=0, group=groups.shard)
+            if groups.replicate is not None:
+                comm.broadcast(p.data, src=0, group=groups.replicate)
 
     # -- stage 3 module hooks -------------------------------------------------------------
     def _install_module_hooks(self, plan: GroupingPlan) -> None:
@@ -248,6 +264,8 @@ class Zero:
         return [m for unit in self.units for m in unit.masters]
 
     def grad_norm_groups(self) -> list:
+        # expert shards: distinct over edp (sharded) and over ep (other experts), so
+        # summing over all of dp counts each element once, as for dense shards
         return [self.groups.shard]
 
     def deferred_grads(self):
@@ -270,8 +288,10 @@ class Zero:
     def owned_slices(self) -> list[OwnedSlice]:
         self.placement.wait()  # masters are final once a running update is done
         out = []
+        names = self.experts.names if self.experts is not None else {}
         for unit in self.units:
             for name, shape, p, s, m in zip(unit.names, unit.shapes, unit.params, unit.spans, unit.masters):
+                name = names.get(id(p), name)  # experts: by global expert id
                 out.append(OwnedSlice(name, shape, unit.dtype, s.start, s.start + s.numel, m, m, True,
                                       p.requires_grad, swap=self.placement.swapped_master(m)))
         return out
@@ -294,7 +314,7 @@ class Zero:
 
     def publish_user_changes(self, params: list[nn.Parameter], src_rank: int) -> None:
         for p in params:
-            comm.broadcast(p.data, src=src_rank, group=self.groups.shard)
+            comm.broadcast(p.data, src=src_rank, group=self._groups_of(p).shard)
         for unit in self._units_of(params):
             unit.refresh_from_params()
 
@@ -329,7 +349,7 @@ class Zero:
                 unit.refresh_from_masters()
 
         return ParamAccess(torch.Size(unit.shapes[i]), s.start, s.start + s.numel, values, master,
-                           grad, True, self.groups.shard, publish)
+                           grad, True, unit.groups.shard, publish)
 
     def check_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """A use registered after initialize must need no regrouping (external.py)."""
