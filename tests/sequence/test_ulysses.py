@@ -11,6 +11,7 @@ the ones that failed."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -174,10 +175,20 @@ def _parity_all() -> list[str]:
     return failed
 
 
+def _everything() -> dict:
+    return {"failed": _parity_all(), "bytes": _bytes_all()}
+
+
+@functools.cache
+def _results(world_size: int) -> list[dict]:
+    """One run_distributed call per world size, shared by the parity and the bytes tests."""
+    return run_distributed(_everything, world_size=world_size, timeout=240)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ulysses_equals_full_attention(world_size):
-    results = run_distributed(_parity_all, world_size=world_size, timeout=240)
-    assert results == [[]] * world_size, "\n".join(results[0] or next(r for r in results if r))
+    failed = [r["failed"] for r in _results(world_size)]
+    assert failed == [[]] * world_size, "\n".join(next(f for f in failed if f))
 
 
 # -- bytes moved, against Note [Ulysses communication volume] -------------------------------------
@@ -193,7 +204,8 @@ def _expected_bytes(n: int, s: int, hq: int, hkv: int, e: int = 4) -> int:
 
 
 def _bytes_all() -> list[tuple]:
-    """(case, calls, bytes, expected bytes) for layer and functional forms."""
+    """(case, all-to-all calls, their bytes, the formula's bytes, all bytes counted) for the
+    layer and the functional form, forward and backward."""
     torch.set_num_threads(1)
     n, rank = comm.get_world_size(), comm.get_rank()
     s = 3
@@ -222,8 +234,7 @@ def _bytes_all() -> list[tuple]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_to_all_bytes_match_the_formula(world_size):
-    rows = run_distributed(_bytes_all, world_size=world_size, timeout=120)
-    for rank_rows in rows:
+    for rank_rows in (r["bytes"] for r in _results(world_size)):
         for (layout, hq, hkv, user), calls, got, want, total in rank_rows:
             assert got == want == total, (layout, hq, hkv, user, got, want, total)
             # q, k, v in one exchange and the output in another, each mirrored in backward;
@@ -294,9 +305,8 @@ def _all_to_all_and_errors() -> dict:
         except ValueError as err:
             errors[name] = str(err)
 
-    def call(hq, hkv, shape_kv=None, **kw):
-        q = torch.zeros(2 * n, B, hq, D)
-        kv = torch.zeros(shape_kv or (2 * n, B, hkv, D))
+    def call(hq, hkv, **kw):
+        q, kv = torch.zeros(2 * n, B, hq, D), torch.zeros(2 * n, B, hkv, D)
         return DistributedAttention(None, None, **kw)(q, kv, kv)
 
     catch("query heads", lambda: call(6, 6))
