@@ -355,14 +355,19 @@ def _capacity_of(drop_tokens: bool, num_tokens: int, num_experts: int, capacity_
 
 
 def _balance_loss(gates: torch.Tensor, first_hot: torch.Tensor) -> torch.Tensor:
-    """Note [load-balancing loss]."""
+    """Note [load-balancing loss]. A rank with no tokens contributes 0 (not the NaN of a
+    mean over nothing, which would reach the gate's gradient on every data-parallel rank)."""
+    if gates.shape[0] == 0:
+        return gates.sum() * 0.0
     fraction = first_hot.float().mean(dim=0)
     return (gates.mean(dim=0) * fraction).sum() * gates.shape[1]
 
 
 def _z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE (arXiv:2202.08906) eq. 5: mean over tokens of logsumexp(logits)^2, on the
-    logits before any routing noise."""
+    logits before any routing noise; 0 for a rank with no tokens."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
     return torch.logsumexp(logits, dim=1).square().mean()
 
 

@@ -499,3 +499,14 @@ def test_bad_shapes_are_named():
         r.dispatch(torch.randn(5, 3))
     with pytest.raises(ValueError, match="Routing.combine: expert_out has shape"):
         r.combine(torch.randn(2, r.capacity + 1, 3))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_no_tokens_give_zero_losses_not_nan(k):
+    """A rank with no tokens: l_aux and z_loss are 0 with a gradient path to wg (a NaN
+    there would spread through the data-parallel gradient average)."""
+    gate = Gate(8, 4, k=k)
+    routing = gate(torch.zeros(0, 8))
+    assert routing.l_aux.item() == 0.0 and routing.z_loss.item() == 0.0
+    (routing.l_aux + routing.z_loss).backward()
+    assert gate.wg.weight.grad is not None and torch.isfinite(gate.wg.weight.grad).all()
