@@ -14,7 +14,8 @@ in p2p.py). The actions run in order:
        loss * loss_scale / micro-batches), runs the whole backward of the chunk, and
        sends the input gradient back.
   "I"  the same, but Linear weights only queue their gradient (weight_grad.py); their
-  "W"  computes and accumulates those weight gradients, later.
+  "W"  computes and accumulates those weight gradients, later. An I followed at once by
+       its own W runs as one "B" (Note [an I right before its W is a B] in schedule.py).
 Parameter gradients accumulate in `.grad` over the micro-batches, as in a one-process
 run. Stage 0's inputs and the activations between stages are tensors or tuples of
 tensors; each chunk is called with one argument, the tensor or the tuple, as DeepSpeed's
@@ -48,7 +49,8 @@ import torch
 from torch import nn
 
 from meshspeed.parallel.pipeline.p2p import Link, PipelineShapeError, flatten, floating
-from meshspeed.parallel.pipeline.schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from meshspeed.parallel.pipeline.schedule import (
+    BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, fuse_adjacent_halves)
 from meshspeed.parallel.pipeline.timeline import Span
 from meshspeed.parallel.pipeline.weight_grad import DeferredWeights
 
@@ -82,6 +84,7 @@ def run_stage(modules: nn.Module | Sequence[nn.Module], actions: Sequence[Action
     chunks = list(modules) if isinstance(modules, (list, tuple, nn.ModuleList)) else [modules]
     if not train:
         actions = [a for a in actions if a.kind == FORWARD]
+    actions = fuse_adjacent_halves(actions)  # Note [an I right before its W is a B] in schedule.py
     _check(actions, chunks, stage, stages)
     device = next((p.device for c in chunks for p in c.parameters()), None)
     runner = _Runner(chunks, Link(stage, stages, len(chunks), group, device), stage=stage, stages=stages,

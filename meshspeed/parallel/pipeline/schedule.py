@@ -171,6 +171,29 @@ def build(name: str, micro_batches: int, stages: int, virtual_stages: int = 1) -
     return [make(micro_batches, stages, s) for s in range(stages)]
 
 
+def fuse_adjacent_halves(actions: list[Action]) -> list[Action]:
+    """`actions` (one stage's) with each input half I that is immediately followed by its
+    own weight half W written as one whole backward B (Note [an I right before its W is a B])."""
+    out: list[Action] = []
+    for a in actions:
+        prev = out[-1] if out else None
+        if (a.kind == WEIGHT_GRAD and prev is not None and prev.kind == INPUT_GRAD
+                and (prev.micro, prev.chunk) == (a.micro, a.chunk)):
+            out[-1] = Action(BACKWARD, a.micro, a.chunk)
+        else:
+            out.append(a)
+    return out
+
+
+# Note [an I right before its W is a B]
+# A backward is split so that its weight half can wait while other passes run. Where a
+# schedule runs a W right after its own I (every backward of ZB-H1's first stage, whose W
+# delay is 0), nothing runs between them and the split only costs: the forward's capture,
+# the (x, dy) pairs it keeps, and its Python autograd nodes. The runtime runs such a pair
+# as one ordinary backward: the same GEMMs, the same order of the stage's work, and the
+# gradient the previous stage waits for (there is none on stage 0) is no later.
+
+
 # -- checking and timing -------------------------------------------------------------------------
 def virtual_stage(action: Action, stage_id: int, stages: int) -> int:
     return action.chunk * stages + stage_id

@@ -12,6 +12,7 @@ from meshspeed.parallel.pipeline.schedule import (
     check,
     format_schedule,
     forward_only,
+    fuse_adjacent_halves,
     one_f_one_b,
     simulate,
 )
@@ -82,3 +83,18 @@ def test_a_schedule_that_cannot_run_is_named():
 def test_bad_arguments_say_what_would_be_right(call, message):
     with pytest.raises(ScheduleError, match=message):
         call()
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_an_input_half_right_before_its_weight_half_runs_as_one_backward(p, m):
+    """ZB-H1's first stage runs each W right after its I: fused, it is 1F1B's first stage;
+    every other stage keeps its split, and the fused plan is still complete and no slower."""
+    plan = build("zb-h1", m, p)
+    fused = [fuse_adjacent_halves(actions) for actions in plan]
+    assert fused[0] == one_f_one_b(m, p, 0)
+    assert fused[1:] == plan[1:]
+    check(fused, m)
+    assert simulate(fused, t_forward=1, t_backward=2, t_weight=1).makespan <= \
+        simulate(plan, t_forward=1, t_backward=2, t_weight=1).makespan
+    other = [Action("I", 0), Action("W", 1), Action("I", 1), Action("W", 0)]
+    assert fuse_adjacent_halves(other) == other  # a W of another micro-batch is not fused
