@@ -346,8 +346,8 @@ def profile_split(cfg: ModelConfig, reps: int = 20) -> list[str]:
                      + (f"  W {w:.1f}" if name == "split" else "") + f"  total {f + b + w:.1f}")
     lines.append(f"  the split costs {totals['split'] / totals['whole'] - 1:+.1%} CPU")
     groups = {"GEMMs (aten::mm, addmm, bmm)": ("aten::mm", "aten::addmm", "aten::bmm"),
-              "the split's Python autograd nodes": ("_SplitLinear", "_SplitLinearBackward", "_WeightGrads",
-                                                    "_WeightGradsBackward")}
+              "the split's Python autograd nodes": ("_SplitLinear", "_SplitLinearBackward", "_WeightGrad",
+                                                    "_WeightGradBackward")}
     lines.append("  torch.profiler, self CPU ms per micro-batch (whole -> split):")
     profiled: dict = {}
     for f in (whole, split):

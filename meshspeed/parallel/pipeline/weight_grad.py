@@ -23,13 +23,11 @@ as in an ordinary backward.
 Note [weight gradients arrive through autograd]
 Data parallelism and ZeRO count gradients with `register_post_accumulate_grad_hook`,
 which fires when autograd accumulates into `.grad`. So `apply` does not write `.grad`
-itself: it runs one autograd backward over one `_WeightGrads` node for the micro-batch,
-whose inputs are the queued weights and whose backward returns each weight's gradient;
-autograd's own accumulation (and its hooks) does the rest. One node for all the weights,
-not one per weight: each Python autograd node costs tens of microseconds, which at p = 2
-was most of what the split cost (benchmarks/pipeline_findings.md). A weight used by
-several F.linear calls in one micro-batch (a layer applied twice) gets one gradient
-summing all its uses, so its hook fires once per micro-batch, as in an ordinary backward. A weight used both by F.linear and by another op
+itself: it runs one autograd backward over `_WeightGrad` nodes, one per weight, whose
+backward returns that weight's gradient, and autograd's own accumulation (and its hooks)
+does the rest. A weight used by several F.linear calls in one micro-batch (a layer
+applied twice) gets one node summing all its uses, so its hook fires once per
+micro-batch, as in an ordinary backward. A weight used both by F.linear and by another op
 (an embedding tied to the output projection) gets two accumulations, one in I and one in
 W; its hooks fire twice.
 
@@ -87,12 +85,9 @@ class DeferredWeights:
         """Compute every queued weight gradient and accumulate it into `.grad` through
         autograd (Note [weight gradients arrive through autograd])."""
         uses, self._uses = self._uses, {}
-        if not uses:
-            return
-        weights = [self._weights[slot] for slot in uses]
-        counts = tuple(len(tensors) for tensors in uses.values())
-        flat = [t for tensors in uses.values() for t in tensors]
-        torch.autograd.backward(_WeightGrads.apply(counts, *weights, *flat))
+        roots = [_WeightGrad.apply(self._weights[slot], *tensors) for slot, tensors in uses.items()]
+        if roots:
+            torch.autograd.backward(roots)
 
 
 def _linear_args(args: tuple, kwargs: dict) -> tuple:
@@ -140,26 +135,21 @@ class _SplitLinear(torch.autograd.Function):
         return dx, None, db, None, None, None
 
 
-class _WeightGrads(torch.autograd.Function):
-    """A 0-dim node whose backward is the gradient of each weight it was given: for weight
-    i, the sum of dy^T x over its `counts[i] // 2` queued (x, dy) uses."""
+class _WeightGrad(torch.autograd.Function):
+    """A 0-dim node whose backward is `weight`'s gradient: the sum of dy^T x over its uses."""
 
     @staticmethod
-    def forward(ctx, counts, *tensors):
-        n = len(counts)
-        ctx.counts, ctx.dtypes = counts, [w.dtype for w in tensors[:n]]
-        ctx.save_for_backward(*tensors[n:])
-        return tensors[0].new_zeros(())
+    def forward(ctx, weight, *uses):
+        ctx.save_for_backward(*uses)
+        ctx.dtype = weight.dtype
+        return weight.new_zeros(())
 
     @staticmethod
     def backward(ctx, _):
-        uses, at, grads = ctx.saved_tensors, 0, []
-        for count, dtype in zip(ctx.counts, ctx.dtypes):
-            grad = None
-            for x, dy in zip(uses[at:at + count:2], uses[at + 1:at + count:2]):
-                dy2 = dy.reshape(-1, dy.shape[-1])
-                part = dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy2.dtype)
-                grad = part if grad is None else grad.add_(part)
-            grads.append(grad.to(dtype))
-            at += count
-        return (None, *grads, *([None] * len(uses)))
+        uses = ctx.saved_tensors
+        grad = None
+        for x, dy in zip(uses[::2], uses[1::2]):
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            part = dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy2.dtype)
+            grad = part if grad is None else grad.add_(part)
+        return (grad.to(ctx.dtype), *([None] * len(uses)))
