@@ -26,10 +26,11 @@ def formula(schedule: str, p: int, m: int, v: int) -> float:
 def simulated(schedule: str, p: int, m: int, v: int, t: dict[str, float]):
     """`simulate` of the schedule with the measured pass times (chunk times x v: simulate
     divides a stage's t_F by v)."""
-    from meshspeed.parallel.pipeline.schedule import build, simulate
+    from meshspeed.parallel.pipeline.schedule import build, fuse_adjacent_halves, simulate
 
     plan = build(schedule, m, p, v)
-    if schedule == "zb-h1":
+    if schedule == "zb-h1":  # as executed: the first stage's I/W pairs run as B
+        plan = [fuse_adjacent_halves(actions) for actions in plan]
         return simulate(plan, t_forward=t["F"], t_backward=t["I"] + t["W"], t_weight=t["W"])
     return simulate(plan, t_forward=t["F"] * v, t_backward=t["B"] * v, virtual_stages=v)
 
@@ -57,11 +58,12 @@ def _name(row: dict) -> str:
 
 
 def bubble_table(rows: list[dict]) -> list[str]:
-    lines = ["| p | m | schedule | measured | formula | simulated (measured t) | pass ms F / B (I + W) |",
+    lines = ["| p | m | schedule | measured | formula | simulated (measured t) | pass ms F / B ; I + W |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["pass_ms"]
-        passes = (f"{t['F']:.1f} / {t['I']:.1f} + {t['W']:.1f}" if "I" in t else f"{t['F']:.1f} / {t['B']:.1f}")
+        passes = f"{t['F']:.1f} / " + " ; ".join(
+            ([f"{t['B']:.1f}"] if "B" in t else []) + ([f"{t['I']:.1f} + {t['W']:.1f}"] if "I" in t else []))
         lines.append(f"| {r['stages']} | {r['micro_batches']} | {_name(r)} | {r['bubble_measured']:.3f} | "
                      f"{r['bubble_formula']:.3f} | {r['bubble_simulated']:.3f} | {passes} |")
     return lines
