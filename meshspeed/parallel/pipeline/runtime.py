@@ -50,7 +50,13 @@ from torch import nn
 
 from meshspeed.parallel.pipeline.p2p import Link, PipelineShapeError, flatten, floating
 from meshspeed.parallel.pipeline.schedule import (
-    BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, fuse_adjacent_halves)
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    fuse_adjacent_halves,
+)
 from meshspeed.parallel.pipeline.timeline import Span
 from meshspeed.parallel.pipeline.weight_grad import DeferredWeights
 
