@@ -224,9 +224,19 @@ def _check(case: Case, save_dir: str) -> None:
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, n=name: f"{case}: parameter {n}: {m}")
-    if case.save:  # each expert saved once (read_meta checks coverage), by its global id
-        from meshspeed.checkpoint.consolidate import consolidate
+    if case.save:  # each expert saved once, by its global id
+        import math
 
+        from meshspeed.checkpoint.consolidate import consolidate
+        from meshspeed.checkpoint.metadata import read_meta
+        from meshspeed.checkpoint.paths import resolve
+
+        params = read_meta(resolve(save_dir, "t"))["params"]
+        experts = {n: p for n, p in params.items() if _expert_id(n) is not None}
+        assert len(experts) == EXPERTS * 3  # one MoE block, 3 weights an expert
+        for name, p in experts.items():  # whole on every tp rank: one range set, no duplicate
+            assert not any(r.get("tp") for r in p["ranges"])
+            assert sum(r["end"] - r["start"] for r in p["ranges"]) == math.prod(p["shape"]), name
         whole = consolidate(save_dir, tag="t")
         assert whole.keys() == state.keys()
         for name in state:
