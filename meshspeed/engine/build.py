@@ -112,7 +112,7 @@ def initialize(
     tied = TiedGrads(module, topology)  # collective: every rank makes the tied groups
     tied.broadcast_from_first()  # Note [summing tied gradients over stages]
     placement = offload_placement(cfg)
-    experts = _wire_experts(module, topology, placement)
+    experts = _wire_experts(module, topology, placement, device)
     strategy = _build_strategy(module, dp_group, cfg, placement, experts)
     if not isinstance(strategy, Strategy):  # a strategy missing part of the protocol
         raise TypeError(f"{type(strategy).__name__} does not implement meshspeed.parallel.protocol.Strategy")
@@ -148,14 +148,17 @@ def initialize(
     return engine, opt, loader, scheduler
 
 
-def _wire_experts(model: nn.Module, topology, placement) -> ExpertSpec | None:
+def _wire_experts(model: nn.Module, topology, placement, device: torch.device) -> ExpertSpec | None:
     """Hand every MoE layer with ep_size > 1 the mesh's ep group (build_layout made the
     ep axis the layers' ep_size); what the strategy needs to know of their parameters
     (Note [expert parameters in the strategies]), None without expert parallelism.
     MoE layers with ep_size 1 train as any layer: their experts are local, their
-    gradients averaged over data parallelism."""
+    gradients averaged over data parallelism. With tensor parallelism: Note [MoE layers
+    on tensor-parallel ranks]."""
     from meshspeed.moe.utils import expert_layers, global_expert_names
 
+    if expert_layers(model) and topology.size("tp") > 1:
+        _route_alike_over_tp(model, topology, device)
     if topology.size("ep") == 1:
         return None
     if placement is not None:
@@ -173,6 +176,37 @@ def _wire_experts(model: nn.Module, topology, placement) -> ExpertSpec | None:
             layer.set_expert_group(group)
     names = global_expert_names(model, topology.coord("ep"))
     return ExpertSpec(topology.group("edp"), topology.size("dp"), names)
+
+
+# Note [MoE layers on tensor-parallel ranks]
+# Tensor parallelism leaves MoE layers whole (the GPT's plan names no expert or router;
+# `_same_replicas` starts them equal on the tp ranks): each tp rank holds whole local
+# experts and, sequence parallelism being refused with MoE (build_layout), receives the
+# same replicated tokens. If every tp rank also routes them alike, it computes the same
+# outputs, and backward the same expert and router gradients, which are therefore NOT
+# reduced over tp (they are replicas, like a norm's weight; the gradient norm counts them
+# once through the tp_split mask) and are reduced over dp / edp within this rank's tp
+# coordinate, the ep and edp groups being per tp coordinate (topology/degrees.py). Routing
+# alike needs the same random draws (RTS, second-expert sampling, jitter: Note [random
+# numbers in gating]), which come from the default generators. The engine leaves those
+# alone (the tp RNG tracker's per-rank stream is used only inside its fork()), but a
+# script may seed each rank differently; so initialize gives every tp rank tp rank 0's
+# host and device generator states, once. Draws then stay equal: tp ranks run the same
+# code on the same data.
+
+
+def _route_alike_over_tp(model: nn.Module, topology, device: torch.device) -> None:
+    """Note [MoE layers on tensor-parallel ranks]: tp rank 0's generator states everywhere."""
+    from meshspeed.moe.utils import expert_layers
+
+    group = topology.group("tp")
+    torch.set_rng_state(comm.broadcast_object(torch.get_rng_state(), src=0, group=group))
+    if device.type == "cuda":
+        state = comm.broadcast_object(torch.cuda.get_rng_state(device).cpu(), src=0, group=group)
+        torch.cuda.set_rng_state(state, device)
+    if comm.get_rank() == 0 and any(layer.enable_expert_tensor_parallelism for _, layer in expert_layers(model)):
+        log.warning("MoE enable_expert_tensor_parallelism=True has no effect: experts are not split "
+                    "over tensor parallelism in this version, each tp rank holds whole experts")
 
 
 def _context_parallel(model: nn.Module, topology, cfg: MeshspeedConfig):

@@ -140,7 +140,9 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module,
                            "comes from the module and the config here; drop mpu= (tensor "
                            "parallelism: tensor_parallel.autotp_size)")])
     if ep > 1:
-        _check_expert_combinations(ep, tp, cp, pp, mpu)
+        _check_expert_combinations(ep, cp, pp, mpu)
+    if tp > 1 and tensor_parallel_section(config).sequence_parallel:
+        _check_moe_without_sequence_parallel(model)
     if mpu is not None:
         topology = topology_from_mpu(mpu)
         if tp > 1 and tp != topology.size("tp"):
@@ -170,15 +172,26 @@ def build_layout(config: Any, mpu: Any, device: torch.device, model: nn.Module,
     return topology
 
 
-def _check_expert_combinations(ep: int, tp: int, cp: int, pp: int, mpu: Any) -> None:
+def _check_expert_combinations(ep: int, cp: int, pp: int, mpu: Any) -> None:
     what = (f"context parallelism (size {cp})" if cp > 1 else
-            f"tensor parallelism (size {tp})" if tp > 1 else
             f"a {pp}-stage PipelineModule" if pp > 1 else
             "initialize(mpu=...)" if mpu is not None else None)
     if what is not None:
         raise ConfigError([(f"expert parallelism (MoE ep_size {ep}) with {what} is not supported in "
-                           "this version; expert parallelism composes with data parallelism and "
-                           "every ZeRO stage")])
+                           "this version; expert parallelism composes with data, tensor parallelism "
+                           "and every ZeRO stage")])
+
+
+def _check_moe_without_sequence_parallel(model: nn.Module) -> None:
+    """MoE layers need the whole sequence on every tp rank (Note [MoE layers on
+    tensor-parallel ranks] in build.py); sequence parallelism gives each a piece."""
+    from meshspeed.moe.utils import expert_layers
+
+    layers = expert_layers(model)
+    if layers:
+        raise ConfigError([(f"tensor_parallel.sequence_parallel with MoE layers ({layers[0][0]!r}, ...) "
+                           "is not supported in this version: every tensor-parallel rank must route "
+                           "the whole sequence; turn tensor_parallel.sequence_parallel off")])
 
 
 def _check_requested_group(model: nn.Module, topology: Topology) -> None:
@@ -217,6 +230,7 @@ def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParal
 
     if shards_by_param(model):
         _check_presplit(model, topology)
+        _check_experts_whole(model)
         return model
     request = request_of(model)
     if request is not None and request["dtype"] not in (dtype, torch.float32):
@@ -242,6 +256,7 @@ def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParal
         plan = plan_from_deepspeed(cfg.partition_config, model)
     apply_tensor_parallel(model, topology, plan, sequence_parallel=cfg.sequence_parallel,
                           overlap_comm=cfg.tp_overlap_comm, overlap_chunks=cfg.overlap_chunks)
+    _check_experts_whole(model)
     _same_replicas(model, topology)
     return model
 
@@ -256,6 +271,21 @@ def _check_presplit(model: nn.Module, topology: Topology) -> None:
             raise ConfigError([(f"{name}: split over ranks {sorted(dist.get_process_group_ranks(group))}, "
                                f"but this run's tensor-parallel group is {want}; split the model "
                                "over engine.mesh (or the same layout) or let initialize split it")])
+
+
+def _check_experts_whole(model: nn.Module) -> None:
+    """MoE layers stay whole on every tp rank (Note [MoE layers on tensor-parallel ranks]
+    in build.py): a plan that split one of their parameters is refused."""
+    from meshspeed.moe.utils import expert_layers
+    from meshspeed.tensor_parallel.spec import shards_by_param
+
+    split = shards_by_param(model)
+    for name, layer in expert_layers(model):
+        hit = next((p for p, param in layer.named_parameters() if id(param) in split), None)
+        if hit is not None:
+            raise ConfigError([(f"{name}.{hit}: the tensor-parallel plan splits a parameter of an MoE "
+                               "layer; MoE layers (experts and router) stay whole on every tensor-"
+                               "parallel rank in this version, so leave them out of the plan")])
 
 
 @torch.no_grad()

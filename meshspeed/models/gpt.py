@@ -1,13 +1,21 @@
-"""A small Llama-style decoder-only transformer.
+"""A small Llama-style decoder-only transformer, dense or Mixture-of-Experts.
 
 Reference model for tests, examples and benchmarks. It holds no parallel code: strategies
 are applied from outside. Two layout facts that outside code relies on:
 
-* `GPT.layers` is an `nn.ModuleList` of identical `Block`s and each block maps
-  `(B, T, d_model) -> (B, T, d_model)` with no other inputs, so a block is the natural unit
-  to shard, checkpoint or place on a pipeline stage.
+* `GPT.layers` is an `nn.ModuleList` of `Block`s (identical in a dense model) and each
+  block maps `(B, T, d_model) -> (B, T, d_model)` with no other inputs, so a block is the
+  natural unit to shard, checkpoint or place on a pipeline stage.
 * `Attention` infers its local head counts from the projection output sizes, so column-
   sharding `wq`/`wk`/`wv` by heads (tensor parallelism) needs no change here.
+
+The MoE variant (`moe_num_experts > 0`): every `moe_every`-th block's MLP is a
+`meshspeed.moe.layer.MoE` whose experts are copies of that block's dense `SwiGLU` (GShard,
+arXiv:2006.16668, and Switch, arXiv:2101.03961, replace every other FFN this way). The
+loss then adds `moe_aux_loss_coef` times the sum of the layers' l_aux, DeepSpeed's
+convention. The MoE layer is the one meshspeed module imported here (the style's "models
+import nothing of ours" is about parallel code; this is a layer): it holds no process
+group of its own, `meshspeed.initialize` hands it the mesh's expert-parallel group.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshspeed.moe.layer import MoE
 
 
 def _round_up(x: float, multiple: int) -> int:
@@ -37,6 +47,19 @@ class GPTConfig:
     rope_theta: float = 10000.0  # rotary base frequency
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # lm_head reuses the token embedding matrix
+    # Mixture of Experts (meshspeed.moe.layer.MoE; the names after the moe_ prefix are its
+    # arguments'). Blocks moe_every-1, 2*moe_every-1, ... hold an MoE instead of an MLP.
+    moe_num_experts: int = 0  # experts per MoE layer; 0 = a dense model, no MoE layers
+    moe_every: int = 2  # every moe_every-th block is an MoE block (1 = every block)
+    moe_top_k: int = 1  # experts per token: 1 (Switch) or 2 (GShard)
+    moe_capacity_factor: float = 1.0  # expert slots = ceil(tokens / experts * factor * k), train and eval
+    moe_min_capacity: int = 4  # fewest slots per expert
+    moe_drop_tokens: bool = True  # False: dropless, every token reaches its experts
+    moe_use_rts: bool = True  # top-1: random token selection when an expert is over-full
+    moe_top2_2nd_expert_sampling: bool = True  # top-2: sample the second expert (Gumbel noise)
+    moe_ep_size: int = 1  # expert-parallel degree: each rank holds moe_num_experts / moe_ep_size
+    moe_aux_loss_coef: float = 0.01  # weight of the load-balancing loss added to the loss
+    moe_z_loss_coef: float = 0.0  # router z-loss weight inside each layer's l_aux (ST-MoE)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -45,6 +68,12 @@ class GPTConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.n_head % self.kv_heads:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.kv_heads}")
+        if self.moe_num_experts < 0 or self.moe_every < 1:
+            raise ValueError(f"moe_num_experts={self.moe_num_experts} must be >= 0 (0: dense) and "
+                             f"moe_every={self.moe_every} >= 1")
+        if self.moe_num_experts and self.moe_num_experts % self.moe_ep_size:
+            raise ValueError(f"moe_num_experts={self.moe_num_experts} is not divisible by "
+                             f"moe_ep_size={self.moe_ep_size}")
 
     @property
     def head_dim(self) -> int:
@@ -61,15 +90,22 @@ class GPTConfig:
             return self.ffn_hidden
         return _round_up(8 * self.d_model / 3, 32)
 
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block i holds an MoE layer in place of its MLP."""
+        return self.moe_num_experts > 0 and (i + 1) % self.moe_every == 0
+
     def num_params(self) -> int:
-        """Parameter count of `GPT(self)`, computed without building it (tied counted once)."""
+        """Parameter count of `GPT(self)`, computed without building it (tied counted once;
+        an MoE block counts the moe_num_experts / moe_ep_size experts one rank holds)."""
         d, kv_dim = self.d_model, self.kv_heads * self.head_dim
         attn = d * d + 2 * d * kv_dim + d * d  # wq, wk, wv, wo
         mlp = 3 * d * self.hidden_dim  # w1, w3, w2
-        block = attn + mlp + 2 * d  # + two RMSNorm weights
+        moe = self.moe_num_experts // self.moe_ep_size * mlp + d * self.moe_num_experts  # + gate
+        blocks = sum(attn + (moe if self.is_moe_block(i) else mlp) + 2 * d  # + two RMSNorm weights
+                     for i in range(self.n_layer))
         embed = self.vocab_size * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return embed + self.n_layer * block + d + head  # + final norm
+        return embed + blocks + d + head  # + final norm
 
 
 def param_count(model: nn.Module) -> int:
@@ -179,18 +215,33 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)).
 
-    def __init__(self, cfg: GPTConfig):
+    With `moe=True` the MLP is an MoE layer of cfg.moe_num_experts copies of the SwiGLU.
+    The block still maps x to x alone (the layout fact above); the layer's l_aux of the
+    last forward is kept in `aux_loss` for the model's loss (None in a dense block). Under
+    reentrant activation checkpointing of the block that stored value has no gradient."""
+
+    def __init__(self, cfg: GPTConfig, moe: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg) if not moe else MoE(
+            cfg.d_model, SwiGLU(cfg), num_experts=cfg.moe_num_experts, ep_size=cfg.moe_ep_size,
+            k=cfg.moe_top_k, capacity_factor=cfg.moe_capacity_factor,
+            eval_capacity_factor=cfg.moe_capacity_factor, min_capacity=cfg.moe_min_capacity,
+            drop_tokens=cfg.moe_drop_tokens, use_rts=cfg.moe_use_rts,
+            top2_2nd_expert_sampling=cfg.moe_top2_2nd_expert_sampling,
+            z_loss_coef=cfg.moe_z_loss_coef)
+        self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))  # (B, T, d_model)
-        return x + self.mlp(self.mlp_norm(x))
+        if not isinstance(self.mlp, MoE):
+            return x + self.mlp(self.mlp_norm(x))
+        y, self.aux_loss, _ = self.mlp(self.mlp_norm(x))  # y (B, T, d_model), l_aux scalar
+        return x + y
 
 
 class GPT(nn.Module):
@@ -216,7 +267,9 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, cfg.is_moe_block(i)) for i in range(cfg.n_layer))
+        if cfg.moe_num_experts:
+            self.tp_plan = moe_tp_plan(cfg)  # this instance's plan: experts stay whole
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -252,7 +305,8 @@ class GPT(nn.Module):
         else the mean cross-entropy of predicting targets (B, T) as a scalar.
 
         Under tensor parallelism the logits are this rank's shard of the vocabulary,
-        (B, T, ceil(vocab / tp)), the last rank's tail columns padding; the loss is whole."""
+        (B, T, ceil(vocab / tp)), the last rank's tail columns padding; the loss is whole.
+        With MoE blocks the loss includes moe_aux_loss_coef * the sum of their l_aux."""
         B, T = idx.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
@@ -265,7 +319,11 @@ class GPT(nn.Module):
             return logits
         # Cross-entropy in fp32 whatever the compute dtype: the softmax over the vocab is
         # where low precision hurts most.
-        return self.loss_fn(logits.float().view(B * T, -1), targets.reshape(B * T))
+        loss = self.loss_fn(logits.float().view(B * T, -1), targets.reshape(B * T))
+        aux = [layer.aux_loss for layer in self.layers if layer.aux_loss is not None]
+        if aux:  # MoE: the load-balancing losses of this forward, weighted (DeepSpeed's way)
+            loss = loss + self.config.moe_aux_loss_coef * torch.stack(aux).sum()
+        return loss
 
     @torch.no_grad()
     def generate(
@@ -294,3 +352,16 @@ class GPT(nn.Module):
                 next_id = torch.multinomial(probs, num_samples=1)  # (B, 1)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+
+def moe_tp_plan(cfg: GPTConfig) -> dict:
+    """`GPT.tp_plan` for an MoE config: the MLP entries name the dense blocks only, so
+    tensor parallelism never splits an expert (each tp rank holds whole experts and routes
+    the same replicated tokens) nor the router; MoE blocks' attention and norms split as
+    in the dense model."""
+    mlp = {k: v for k, v in GPT.tp_plan.items() if k.startswith("layers.*.mlp.")}
+    plan = {k: v for k, v in GPT.tp_plan.items() if k not in mlp}
+    for i in range(cfg.n_layer):
+        if not cfg.is_moe_block(i):
+            plan.update({k.replace("*", str(i), 1): v for k, v in mlp.items()})
+    return plan

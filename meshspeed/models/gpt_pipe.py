@@ -90,6 +90,10 @@ class LMLoss(nn.Module):
 
 def gpt_pipeline_layers(cfg: GPTConfig) -> list[LayerSpec]:
     """The layer list: embedding, blocks, final norm, head (tied to the embedding or not)."""
+    if cfg.moe_num_experts:
+        raise ValueError(f"GPTPipe: moe_num_experts={cfg.moe_num_experts}, but the pipeline form has "
+                         "no MoE variant (a stage passes activations only, so the MoE layers' "
+                         "aux losses could not reach the loss); use GPT, or moe_num_experts=0")
     if cfg.tie_embeddings:
         first = TiedLayerSpec("embed", Embedding, cfg, tied_weight_attr="tok_emb.weight")
         last = TiedLayerSpec("embed", Embedding, cfg, forward_fn=_tied_head, tied_weight_attr="tok_emb.weight")

@@ -31,8 +31,10 @@ by dp, not edp (DeepSpeed's engine does the same: `_reduce_expert_gradients`).
 Differences from DeepSpeed, all in what was left to globals there:
   * process groups are handed in (`set_expert_group`), never created by the layer;
   * `use_tutel` is accepted and changes nothing: the dispatch is in index form already;
-  * `enable_expert_tensor_parallelism` is recorded for the engine; the layer itself does
-    not drop duplicate tokens of tensor-parallel ranks;
+  * `enable_expert_tensor_parallelism` is recorded and has no effect: under tensor
+    parallelism each tp rank holds whole experts and routes the same replicated tokens
+    (Note [MoE layers on tensor-parallel ranks] in meshspeed/engine/build.py), so there
+    are no duplicate tokens to drop;
   * `z_loss_coef` (keyword-only, default 0): the router z-loss of ST-MoE is kept as
     `moe.z_loss` after each forward, and `z_loss_coef * z_loss` is added to the returned
     l_aux when the coefficient is nonzero (a script's `aux_coef * l_aux` then weighs it by

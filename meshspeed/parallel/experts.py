@@ -8,6 +8,9 @@ or reduce-scattered (ZeRO) over edp and divided by the whole dp size (Note [grad
 expert parameters] in meshspeed/moe/layer.py: after backward an expert gradient already
 sums its ep group's tokens), ZeRO shards them over edp, and checkpoints name them by
 their global expert id. Dense parameters are unchanged: replicated or sharded over dp.
+With tensor parallelism the ep and edp groups lie within one tp coordinate and each tp
+rank holds whole experts, replicas over tp like any parameter tp leaves whole (Note [MoE
+layers on tensor-parallel ranks] in meshspeed/engine/build.py).
 """
 
 from __future__ import annotations

@@ -111,3 +111,45 @@ def test_a_few_adamw_steps_reduce_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5
+
+
+MOE = {"n_layer": 4, "moe_num_experts": 4}
+
+
+def test_moe_variant_replaces_every_other_mlp():
+    model = make(**MOE)
+    assert [type(b.mlp).__name__ for b in model.layers] == ["SwiGLU", "MoE", "SwiGLU", "MoE"]
+    assert [type(b.mlp).__name__ for b in make(**MOE, moe_every=1).layers] == ["MoE"] * 4
+    experts = model.layers[1].mlp.deepspeed_moe.experts.deepspeed_experts
+    assert len(experts) == 4 and all(type(e).__name__ == "SwiGLU" for e in experts)
+    assert not torch.equal(experts[0].w1.weight, experts[1].w1.weight)  # initialised one by one
+    assert experts[0].w2.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.2)
+    for ep in (1, 2):  # an ep rank holds moe_num_experts / ep of them
+        local = make(**MOE, moe_ep_size=ep)
+        assert param_count(local) == local.config.num_params()
+    with pytest.raises(ValueError, match="moe_ep_size"):
+        GPTConfig(moe_num_experts=3, moe_ep_size=2)
+
+
+def test_moe_loss_adds_the_weighted_aux_losses():
+    model = make(**MOE, moe_aux_loss_coef=0.5, moe_use_rts=False)  # deterministic routing
+    x, y = tokens(), tokens(seed=2)
+    loss = model(x, y)
+    aux = [b.aux_loss for b in model.layers if b.aux_loss is not None]
+    assert len(aux) == 2 and all(a.requires_grad for a in aux)
+    ce = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    torch.testing.assert_close(loss, ce + 0.5 * (aux[0] + aux[1]))
+    loss.backward()
+    assert model.layers[1].mlp.deepspeed_moe.gate.wg.weight.grad.abs().sum() > 0
+
+
+def test_moe_tp_plan_splits_no_expert_and_no_router():
+    from meshspeed.tensor_parallel.plan import normalize, resolve
+
+    model = make(**MOE)
+    split = {a.name for a in resolve(model, normalize(model.tp_plan))}
+    assert {"layers.0.mlp.w1", "layers.2.mlp.w2", "layers.1.attn.wq", "layers.3.mlp_norm"} <= split
+    assert not any("deepspeed_moe" in name for name in split)
+    every = make(**MOE, moe_every=1)  # no dense MLP left: no entry may match nothing
+    assert not any(".mlp.w" in name for name in {a.name for a in resolve(every, normalize(every.tp_plan))})
+    assert GPT.tp_plan["layers.*.mlp.w1"] == "column" and "tp_plan" not in vars(make())

@@ -28,3 +28,9 @@ def test_layers_initialise_like_the_gpt():
     assert pipe.get_submodule("1.attn.wq").weight.std().item() == pytest.approx(0.02, rel=0.1)
     assert pipe.get_submodule("1.attn.wo").weight.std().item() == pytest.approx(0.02 / 4, rel=0.1)
     assert torch.all(pipe.get_submodule("9").weight == 1)
+
+
+def test_the_moe_variant_has_no_pipeline_form():
+    cfg = GPTConfig(vocab_size=32, max_seq_len=8, n_layer=2, n_head=2, d_model=16, moe_num_experts=2)
+    with pytest.raises(ValueError, match="no MoE variant"):
+        GPTPipe(cfg, num_stages=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -250,10 +251,17 @@ def test_expert_gradients_are_the_dp_mean(stage):
                                    msg=lambda m, n=name: f"expert gradient {n}: {m}")
 
 
-def initialize_error(ep_sizes: tuple[int, ...], config: dict) -> str:
+class _SplitsExperts(nn.Sequential):
+    """A plan that splits the experts' Linears (experts stay whole under tp: refused)."""
+
+    tp_plan: ClassVar[dict] = {"0.deepspeed_moe.experts.deepspeed_experts.*.0": "column",
+                               "0.deepspeed_moe.experts.deepspeed_experts.*.2": "row"}
+
+
+def initialize_error(ep_sizes: tuple[int, ...], config: dict, cls: type = nn.Sequential) -> str:
     import meshspeed
 
-    model = nn.Sequential(*(MoE(D, _mlp(), num_experts=6, ep_size=ep) for ep in ep_sizes))
+    model = cls(*(MoE(D, _mlp(), num_experts=6, ep_size=ep) for ep in ep_sizes))
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     try:
         meshspeed.initialize(model=model, config={**base, **config})
@@ -267,13 +275,21 @@ def initialize_errors(cases) -> list[str]:
 
 
 def test_layouts_expert_parallelism_refuses_name_the_numbers():
-    cases = [((3,), {}), ((2, 3), {}), ((2,), {"sequence_parallel_size": 2}), ((2, 1), {})]
-    not_dividing, mixed, with_cp, with_dense_moe = run_distributed(
+    sp = {"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}
+    tp = {"tensor_parallel": {"autotp_size": 2}}
+    cases = [((3,), {}), ((2, 3), {}), ((2,), {"sequence_parallel_size": 2}), ((2, 1), {}), ((1,), sp),
+             ((1,), tp, _SplitsExperts)]
+    not_dividing, mixed, with_cp, with_dense_moe, with_sp, split_experts = run_distributed(
         initialize_errors, world_size=2, args=(cases,), timeout=300)[0]
     assert "MoE ep_size 3 does not divide the data-parallel size 2" in not_dividing
     assert "different ep_size ('0' has ep_size 2, '1' has ep_size 3)" in mixed
-    assert "with context parallelism (size 2) is not supported" in with_cp
+    assert ("with context parallelism (size 2) is not supported in this version; expert parallelism "
+            "composes with data, tensor parallelism and every ZeRO stage") in with_cp
     assert "'1' has ep_size 1, '0' has ep_size 2" in with_dense_moe
+    # any MoE layer (ep_size 1 too) needs the whole sequence on every tp rank
+    assert "tensor_parallel.sequence_parallel with MoE layers ('0', ...) is not supported" in with_sp
+    assert ("0.deepspeed_moe.experts.deepspeed_experts.0.0.weight: the tensor-parallel plan splits a "
+            "parameter of an MoE layer") in split_experts
 
 
 @pytest.mark.parametrize("stage", [0, 2])
