@@ -7,11 +7,16 @@ writes the result into plain, smaller layers. See docs/compression.md.
 """
 
 from meshspeed.compression.compress import init_compression, redundancy_clean
-from meshspeed.compression.helper import recursive_getattr, recursive_setattr
+from meshspeed.compression.helper import (
+    convert_conv1d_to_linear,
+    recursive_getattr,
+    recursive_setattr,
+)
 from meshspeed.compression.scheduler import compression_scheduler
 
 __all__ = [
     "compression_scheduler",
+    "convert_conv1d_to_linear",
     "init_compression",
     "recursive_getattr",
     "recursive_setattr",

@@ -132,3 +132,25 @@ def test_training_keeps_working_and_an_earlier_optimizer_still_updates():
     after = model.layers[0].mlp.w1.weight
     assert not torch.equal(before, after)  # stored in full precision, moved by the optimizer
     assert len(after.unique()) > 256
+
+
+class _Conv1D(nn.Module):  # Hugging Face GPT-2's layout: weight (in, out)
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+def test_convert_conv1d_to_linear_computes_the_same():
+    from meshspeed.compression import convert_conv1d_to_linear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Conv1D(8, 12), nn.ReLU())
+    x = torch.randn(3, 8)
+    before = model(x)
+    convert_conv1d_to_linear(model, _Conv1D)
+    assert type(model[0]) is nn.Linear and model[0].weight.shape == (12, 8)
+    assert torch.allclose(model(x), before, atol=1e-6)
