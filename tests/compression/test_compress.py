@@ -154,3 +154,24 @@ def test_convert_conv1d_to_linear_computes_the_same():
     convert_conv1d_to_linear(model, _Conv1D)
     assert type(model[0]) is nn.Linear and model[0].weight.shape == (12, 8)
     assert torch.allclose(model(x), before, atol=1e-6)
+
+
+def test_techniques_together_on_gpt_clean_to_the_same_logits():
+    model = gpt()
+    cfg = config(
+        weight_quantization=technique(
+            {"schedule_offset": 1, "quantize_groups": 8, "fp16_mixed_quantize":
+             {"enabled": True, "quantize_change_ratio": 0.1}},
+            {"wq1": group([r"attn\.w"], start_bits=8, target_bits=6, quantization_period=2),
+             "wq2": group(["tok_emb"], start_bits=8, target_bits=8)}),
+        sparse_pruning=technique({"schedule_offset": 2, "method": "topk"},
+                                 {"sp1": group([r"mlp\.w2"], dense_ratio=0.3)}),
+        head_pruning=technique(
+            {"schedule_offset": 3, "num_heads": 4},
+            {"hp1": group([r"attn\.wo"], related=[[r"attn\.wq", r"attn\.wk", r"attn\.wv"]],
+                          dense_ratio=0.75)}))
+    masked, cleaned = _masked_then_clean(model, cfg, tokens(), steps=5)  # 6 bits, 90% real
+    assert torch.allclose(masked, cleaned, atol=1e-6, rtol=0)
+    assert not _compressed(model)
+    assert model.layers[1].attn.wq.weight.shape == (24, 32)  # 3 of 4 heads
+    assert model.layers[1].attn.wo.weight.shape == (32, 24)
