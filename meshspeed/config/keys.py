@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, get_args
+from typing import Any, get_args, get_origin
 
 from meshspeed.config.base import StrictModel, closest
 from meshspeed.config.errors import show
@@ -42,6 +42,17 @@ def submodel(annotation: Any) -> type[StrictModel] | None:
     return None
 
 
+def mapping_of(annotation: Any) -> type[StrictModel] | None:
+    """M for a field typed `dict[str, M]` (named groups such as compression's
+    `different_groups`), possibly optional; None for any other annotation."""
+    if get_origin(annotation) is dict:
+        return submodel(get_args(annotation)[1])
+    for arg in get_args(annotation):
+        if get_origin(arg) is dict:
+            return submodel(get_args(arg)[1])
+    return None
+
+
 def _walk(
     raw: dict[str, Any],
     model: type[StrictModel],
@@ -65,9 +76,14 @@ def _walk(
                     )
                 continue
             spelled[name] = key
+            here = f"{path}.{name}" if path else name
             sub = submodel(fields[name].annotation)
-            if sub is not None and isinstance(value, dict):
-                out[name] = _walk(value, sub, f"{path}.{name}" if path else name, root, result)
+            values = mapping_of(fields[name].annotation)
+            if values is not None and isinstance(value, dict):  # {name: sub-model}
+                out[name] = {k: _walk(v, values, f"{here}.{k}", root, result) if isinstance(v, dict)
+                             else v for k, v in value.items()}
+            elif sub is not None and isinstance(value, dict):
+                out[name] = _walk(value, sub, here, root, result)
             elif not _found_auto(value, full, result.problems):
                 out[name] = value  # left out if "auto": that is reported once, here
         elif key in model.legacy_keys:
@@ -128,7 +144,9 @@ def _all_paths(model: type[StrictModel], prefix: str = "") -> tuple[str, ...]:
         full = f"{prefix}.{name}" if prefix else name
         paths.append(full)
         sub = submodel(info.annotation)
-        if sub is not None:
+        if mapping_of(info.annotation) is not None:
+            paths.extend(_all_paths(sub, f"{full}.<name>"))
+        elif sub is not None:
             paths.extend(_all_paths(sub, full))
     if not prefix:
         paths.extend(sorted(ACCEPTED_UNUSED))

@@ -17,7 +17,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "autotuning",
         "comet",
         "compile",
-        "compression_training",
         "csv_monitor",
         "curriculum_learning",
         "data_efficiency",

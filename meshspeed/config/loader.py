@@ -85,6 +85,12 @@ def _recheck(cfg: MeshspeedConfig, dp_world_size: int, dp_source: str) -> Meshsp
     return new
 
 
+def read_config(config: str | Path | dict[str, Any] | None) -> dict[str, Any]:
+    """The raw contents of a config path or dict (a copy), before any checking; for code
+    that reads one block of a DeepSpeed config on its own (compression.init_compression)."""
+    return _read(config)
+
+
 def _read(config: Any) -> dict[str, Any]:
     if config is None:
         return {}

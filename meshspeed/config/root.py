@@ -10,6 +10,7 @@ from meshspeed.config.activation import ActivationCheckpointingConfig
 from meshspeed.config.base import Int, NonNegFloat, PositiveFloat, PositiveInt, StrictModel
 from meshspeed.config.checkpoint import CheckpointConfig
 from meshspeed.config.comms import CommDtype, CommsLoggerConfig
+from meshspeed.config.compression import CompressionConfig
 from meshspeed.config.context_parallel import ContextParallelConfig, resolve
 from meshspeed.config.offload import AioConfig
 from meshspeed.config.optim import OptimizerConfig, SchedulerConfig
@@ -70,6 +71,9 @@ class MeshspeedConfig(StrictModel):
     sequence_parallel_size: PositiveInt = 1
     data_parallel_size: PositiveInt | None = None  # DeepSpeed's key: checked against the mesh
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
+    # quantization / pruning / layer reduction: meshspeed.compression.init_compression applies
+    # it to the model, the engine steps its schedule (docs/compression.md)
+    compression_training: CompressionConfig = Field(default_factory=CompressionConfig)
 
     # Set by load_config: which batch keys the user gave (the rest were derived), and
     # the accepted-but-unused DeepSpeed keys that were set aside.

@@ -49,7 +49,6 @@ def _grad_accum_dtype(value: Any) -> bool:
 # path -> (does the value ask for it?, what it asks for)
 ASKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "expert_parallel": (_enabled, "expert parallelism"),
-    "compression_training": (_enabled, "compression training (quantization / pruning)"),
     "weight_quantization": (_enabled, "weight quantization"),
     "quantize_training": (_enabled, "quantization-aware training"),
     "sparse_attention": (_truthy, "sparse attention"),

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.compression.scheduler import engine_scheduler
 from meshspeed.config.errors import ConfigError
 from meshspeed.engine.agreement import STEP_COUNTERS, agree
 from meshspeed.engine.memory import count_bytes
@@ -77,6 +78,8 @@ class MeshspeedEngine(nn.Module):
         self._norm_skip: set[int] = set()  # masters left out of the gradient norm
         self.context = None  # meshspeed.sequence.context.ContextParallel under context parallelism
         self._cuts_batches = False
+        # compression_training: starts techniques at their schedule_offset (DeepSpeed's name)
+        self.compression_scheduler = engine_scheduler(module, config, topology.size("tp"))
 
     def attach_context(self, context, cuts_batches: bool) -> None:
         """Context parallelism: forward cuts each batch for this rank (unless the model
@@ -342,6 +345,8 @@ class MeshspeedEngine(nn.Module):
             self._step_applied = True
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+            if self.compression_scheduler is not None:  # applied steps only, as in DeepSpeed
+                self.compression_scheduler.step()
         self.loss_scaler.update(overflow)
         if overflow and self.config.fp16.enabled and comm.get_rank() == 0:
             log.warning("step %d: fp16 gradient overflow on some rank; step skipped on every "

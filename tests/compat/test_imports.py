@@ -38,6 +38,11 @@ SURVEY = {
     "meshspeed.moe.layer": ["MoE"],
     "meshspeed.ops.adam": ["FusedAdam", "DeepSpeedCPUAdam"],
     "meshspeed.compression.helper": ["recursive_getattr", "recursive_setattr"],
+    # DeepSpeedExamples compression/bert/run_glue_no_trainer.py, compression/gpt2
+    "meshspeed.compression": ["init_compression", "redundancy_clean", "compression_scheduler",
+                              "convert_conv1d_to_linear"],
+    "meshspeed.compression.compress": ["init_compression", "redundancy_clean"],
+    "meshspeed.compression.scheduler": ["compression_scheduler"],
     # Megatron-DeepSpeed's megatron/training.py and model/transformer.py; DeepSpeedExamples' Megatron
     "meshspeed.checkpointing": ["checkpoint", "configure", "is_configured", "reset",
                                 "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed"],

@@ -78,8 +78,7 @@ def test_known_unused_keys_accepted_and_logged_once(caplog):
 @pytest.mark.parametrize("config, says", [
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO++ hierarchical"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++ quantized weights"),
-    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
-     "compression training"),
+    ({"quantize_training": {"enabled": True}}, "quantization-aware training"),
     ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16 optimizer states"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "gradient accumulation dtype"),
 ])
