@@ -286,7 +286,7 @@ def test_a_group_of_the_wrong_size_is_named():
 
 def test_capacity_mode_with_different_token_counts_is_named_in_debug_mode():
     message = _results(2)[0]["errors"]["different S"]
-    assert "all_to_all(shape=(2, 2, 8)" in message and "all_to_all(shape=(2, 6, 8)" in message
+    assert "all_to_all(shape=(2, 1, 2, 8)" in message and "all_to_all(shape=(2, 1, 6, 8)" in message
 
 
 @pytest.fixture(autouse=True, scope="module")
