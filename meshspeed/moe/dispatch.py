@@ -21,9 +21,8 @@ all-to-all, rank r holds block r of every rank: [ep, E/ep, C, M], source rank fi
 expert l runs once on its ep * C rows; the outputs go back by the same all-to-all and
 `Routing.combine` mixes them. Per layer and rank: 2 all-to-alls forward, 2 backward (an
 equal-split all-to-all is its own adjoint), each of E * C * M elements, of which
-(ep - 1) / ep leave the rank. Every rank of the group must hold the same C, so the same
-token count S when C comes from S (DeepSpeed requires the same); ranks with different S
-should use dropless mode. MESHSPEED_COMM_DEBUG=1 names such a shape mismatch.
+(ep - 1) / ep leave the rank. Every rank of the group must hold the same C: the layer pads
+the routings to the group's largest (Note [one capacity over the ep group] in layer.py).
 
 Note [dropless exchange]
 No padding: rank r sends exactly its kept (token, choice) pairs. They are laid out sorted
