@@ -40,7 +40,7 @@ Cost: one int64 all-reduce and one host sync per layer and forward; with the sam
 every rank (DeepSpeed's requirement) nothing else changes. Dropless mode needs none of
 this: its exchange sends exact counts (dispatch.py, Note [dropless exchange]).
 
-Differences from DeepSpeed, all in what was left to globals there:
+Differences from DeepSpeed (the first three in what was left to globals there):
   * process groups are handed in (`set_expert_group`), never created by the layer;
   * `use_tutel` is accepted and changes nothing: the dispatch is in index form already;
   * `enable_expert_tensor_parallelism` is recorded for the engine; the layer itself does
