@@ -13,8 +13,8 @@ debug.py        MESHSPEED_COMM_DEBUG=1 cross-rank check of collective order
 sequence.py     per-group sequence numbers and the digest the step agreement compares
 rollcall.py     who is where, through the store, when a collective fails
 blocked.py      BlockedTimer: seconds blocked in communication (exposed, not overlapped)
-along.py        gather / reduce-scatter / split along any dimension, results on wait()
-differentiable.py  forward/backward pairs for tensor and sequence parallelism
+along.py        gather / reduce-scatter / split / all-to-all along any dimension
+differentiable.py  forward/backward pairs for tensor, sequence and expert parallelism
 """
 
 from torch.distributed import ReduceOp  # DeepSpeed scripts write deepspeed.comm.ReduceOp.SUM

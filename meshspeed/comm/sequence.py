@@ -29,6 +29,8 @@ RECENT = 64  # calls kept per group for the report of a mismatch
 _MASK = (1 << 61) - 1
 _OP_CODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "all_to_all": 4, "broadcast": 5}
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# torch's `Function.apply`, between a differentiable collective and its caller
+_AUTOGRAD_APPLY = os.path.join(os.path.dirname(os.path.abspath(torch.autograd.__file__)), "function.py")
 
 
 @dataclass
@@ -48,9 +50,11 @@ def reset_for_tests() -> None:
 
 
 def call_location() -> tuple[str, int]:
-    """(file, line) of the nearest caller outside meshspeed/comm."""
+    """(file, line) of the nearest caller outside meshspeed/comm (and torch's autograd
+    Function.apply, for the pairs of differentiable.py). "?" in a backward, which the
+    autograd engine calls with no Python caller."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+    while frame is not None and frame.f_code.co_filename.startswith((_HERE, _AUTOGRAD_APPLY)):
         frame = frame.f_back
     return ("?", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 

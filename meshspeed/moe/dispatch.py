@@ -10,8 +10,8 @@ Both return the gate-weighted mix of each token's experts, [S, M], differentiabl
 in the routing weights and in the experts' parameters. Expert placement: rank r of the
 group (its rank within the group) holds experts [r * E / ep, (r + 1) * E / ep).
 
-The two differentiable all-to-alls sit here rather than in comm/differentiable.py only
-because this is their one user; they call `meshspeed.comm`, never torch.distributed.
+The all-to-alls are `meshspeed.comm.differentiable.all_to_all` (backward: the same
+exchange, split sizes swapped), shared with sequence parallelism.
 
 Note [capacity exchange]
 GShard's dispatch (arXiv:2006.16668, Algorithm 2; DeepSpeed's MOELayer): the buffer
@@ -21,9 +21,8 @@ all-to-all, rank r holds block r of every rank: [ep, E/ep, C, M], source rank fi
 expert l runs once on its ep * C rows; the outputs go back by the same all-to-all and
 `Routing.combine` mixes them. Per layer and rank: 2 all-to-alls forward, 2 backward (an
 equal-split all-to-all is its own adjoint), each of E * C * M elements, of which
-(ep - 1) / ep leave the rank. Every rank of the group must hold the same C, so the same
-token count S when C comes from S (DeepSpeed requires the same); ranks with different S
-should use dropless mode. MESHSPEED_COMM_DEBUG=1 names such a shape mismatch.
+(ep - 1) / ep leave the rank. Every rank of the group must hold the same C: the layer pads
+the routings to the group's largest (Note [one capacity over the ep group] in layer.py).
 
 Note [dropless exchange]
 No padding: rank r sends exactly its kept (token, choice) pairs. They are laid out sorted
@@ -50,6 +49,7 @@ from typing import Any
 import torch
 
 from meshspeed import comm
+from meshspeed.comm import differentiable
 from meshspeed.moe.gating import Routing
 
 __all__ = ["all_to_all", "all_to_all_uneven", "exchange_capacity", "exchange_dropless"]
@@ -60,41 +60,10 @@ RunExperts = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 # -- differentiable all-to-alls -----------------------------------------------------------------
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        comm.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _AllToAll.apply(grad, ctx.group), None
-
-
-class _AllToAllUneven(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, output_splits: list[int],
-                input_splits: list[int]) -> torch.Tensor:
-        ctx.group, ctx.splits = group, (output_splits, input_splits)
-        x = x.contiguous()
-        out = x.new_empty(sum(output_splits), *x.shape[1:])
-        comm.all_to_all_single(out, x, group=group, output_split_sizes=output_splits,
-                               input_split_sizes=input_splits)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        output_splits, input_splits = ctx.splits
-        return _AllToAllUneven.apply(grad, ctx.group, input_splits, output_splits), None, None, None
-
-
 def all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Dim-0 block j of x goes to rank j; block r of the result came from rank r (equal
     blocks). Backward: the same all-to-all of the gradient."""
-    return _AllToAll.apply(x, group)
+    return differentiable.all_to_all(x, group)
 
 
 def all_to_all_uneven(x: torch.Tensor, group: Any, output_splits: Sequence[int],
@@ -102,7 +71,7 @@ def all_to_all_uneven(x: torch.Tensor, group: Any, output_splits: Sequence[int],
     """The first input_splits[0] rows of x go to rank 0, the next input_splits[1] to rank 1,
     ...; the result holds output_splits[j] rows from each rank j, in rank order. Backward:
     the all-to-all of the gradient with the splits swapped."""
-    return _AllToAllUneven.apply(x, group, list(output_splits), list(input_splits))
+    return differentiable.all_to_all(x, group, output_splits, input_splits)
 
 
 # -- the exchanges ------------------------------------------------------------------------------

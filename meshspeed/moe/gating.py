@@ -38,6 +38,9 @@ reference that calls the gate on the same tokens with the same seed reproduces i
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+import os
 from typing import Any
 
 import torch
@@ -56,6 +59,8 @@ __all__ = [
     "top1_routing",
     "top2_routing",
 ]
+
+logger = logging.getLogger("meshspeed")
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")  # "None" is DeepSpeed's string for None
 
@@ -374,6 +379,15 @@ def _z_loss(logits: torch.Tensor) -> torch.Tensor:
 # -- the module ---------------------------------------------------------------------------------
 
 
+@functools.cache
+def _warn_once_on_rank_zero(message: str) -> None:
+    """Log `message` once per process, on rank 0 (before the process group exists, the
+    launcher's RANK says which rank this is)."""
+    rank = comm.get_rank() if comm.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        logger.warning(message)
+
+
 class Gate(nn.Module):
     """DeepSpeed's `TopKGate` for k = 1 or 2: `wg` (bias-free Linear, DeepSpeed's name and
     layout, so checkpoints line up) applied in float32, then `top1_routing` or
@@ -381,7 +395,8 @@ class Gate(nn.Module):
 
     capacity_factor applies in training, eval_capacity_factor in eval. noisy_gate_policy,
     in training only: "Jitter" multiplies the router input by `jitter` noise (top-1 and
-    top-2); "RSample" (top-1 only) picks the expert from Gumbel-noised logits. use_rts (top-1)
+    top-2); "RSample" picks the top-1 expert from Gumbel-noised logits (with k=2 it has no
+    effect, as in DeepSpeed, and rank 0 logs a warning once). use_rts (top-1)
     and top2_2nd_expert_sampling (top-2) apply in eval too, as in DeepSpeed. capacity_group:
     the expert-parallel group whose ranks must agree on the dropless capacity. Random draws:
     Note [random numbers in gating].
@@ -403,10 +418,12 @@ class Gate(nn.Module):
             raise ValueError(f"Gate: noisy_gate_policy={noisy_gate_policy!r} is not one of "
                              f"{', '.join(map(repr, NOISY_GATE_POLICIES))}.")
         noisy_gate_policy = None if noisy_gate_policy == "None" else noisy_gate_policy
-        if noisy_gate_policy == "RSample" and k == 2:
-            raise ValueError("Gate: noisy_gate_policy='RSample' applies to k=1 only (DeepSpeed "
-                             "ignores it for k=2); top-2 samples its second expert with "
-                             "top2_2nd_expert_sampling=True. Drop the policy or use 'Jitter'.")
+        if noisy_gate_policy == "RSample" and k == 2:  # DeepSpeed accepts it and ignores it
+            _warn_once_on_rank_zero(
+                "MoE gate: noisy_gate_policy='RSample' has no effect with k=2 (it samples the "
+                "top-1 expert only; top-2 samples its second expert with "
+                "top2_2nd_expert_sampling=True); DeepSpeed ignores it there too. Drop the "
+                "policy, or use 'Jitter' to add noise to a top-2 router.")
         _check_factor("capacity_factor", capacity_factor)
         _check_factor("eval_capacity_factor", eval_capacity_factor)
         if min_capacity < 0:

@@ -28,13 +28,29 @@ over all dp ranks is therefore: dense gradients all-reduced over dp and divided 
 expert gradients all-reduced over edp (the ranks holding the same experts) and divided
 by dp, not edp (DeepSpeed's engine does the same: `_reduce_expert_gradients`).
 
-Differences from DeepSpeed, all in what was left to globals there:
+Note [one capacity over the ep group]
+In capacity mode each rank routes its own S tokens with its own capacity C, as in DeepSpeed,
+so the same tokens drop. But the all-to-all of the [E, C, M] buffers needs one C on every
+rank of the ep group, and ranks holding different S (a short last batch, a data pipeline
+that does not split evenly) compute different C: their buffers differ in size, which gloo
+aborts on (SIGABRT) and NCCL may hang on or misread; DeepSpeed 0.19.8 does the same. So
+the layer MAX-reduces C over the ep group and pads each rank's routing to it (a routing
+stays valid with a larger capacity; the extra slots are zero rows, which no token reads).
+Cost: one int64 all-reduce and one host sync per layer and forward; with the same S on
+every rank (DeepSpeed's requirement) nothing else changes. Dropless mode needs none of
+this: its exchange sends exact counts (dispatch.py, Note [dropless exchange]).
+
+Differences from DeepSpeed (the first three in what was left to globals there):
   * process groups are handed in (`set_expert_group`), never created by the layer;
   * `use_tutel` is accepted and changes nothing: the dispatch is in index form already;
   * `enable_expert_tensor_parallelism` is recorded and has no effect: under tensor
     parallelism each tp rank holds whole experts and routes the same replicated tokens
     (Note [MoE layers on tensor-parallel ranks] in meshspeed/engine/build.py), so there
     are no duplicate tokens to drop;
+  * capacity mode with different token counts per rank works (Note [one capacity over
+    the ep group]) instead of failing in the all-to-all;
+  * noisy_gate_policy='RSample' with k=2 has no effect there and here, but here rank 0
+    says so (gating.Gate);
   * `z_loss_coef` (keyword-only, default 0): the router z-loss of ST-MoE is kept as
     `moe.z_loss` after each forward, and `z_loss_coef * z_loss` is added to the returned
     l_aux when the coefficient is nonzero (a script's `aux_coef * l_aux` then weighs it by
@@ -43,6 +59,7 @@ Differences from DeepSpeed, all in what was left to globals there:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -52,7 +69,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.moe.dispatch import exchange_capacity, exchange_dropless
 from meshspeed.moe.experts import Experts, expert_group_name
-from meshspeed.moe.gating import NOISY_GATE_POLICIES, Gate
+from meshspeed.moe.gating import NOISY_GATE_POLICIES, Gate, Routing
 
 __all__ = ["MOELayer", "MoE"]
 
@@ -104,9 +121,21 @@ class MOELayer(nn.Module):
             used_token = used_token.reshape(-1)
         routing = self.gate(tokens, used_token)
         self.l_aux, self.exp_counts, self.z_loss = routing.l_aux, routing.exp_counts, routing.z_loss
-        exchange = exchange_capacity if self.gate.drop_tokens else exchange_dropless
         group = self.ep_group if self.ep_size > 1 else None
-        return exchange(routing, tokens, self.experts, group).reshape(hidden_states.shape)
+        if not self.gate.drop_tokens:
+            return exchange_dropless(routing, tokens, self.experts, group).reshape(hidden_states.shape)
+        if group is not None:
+            routing = _capacity_over_group(routing, group)
+        return exchange_capacity(routing, tokens, self.experts, group).reshape(hidden_states.shape)
+
+
+def _capacity_over_group(routing: Routing, group: Any) -> Routing:
+    """`routing` padded to the largest capacity of the group, Note [one capacity over the ep
+    group]."""
+    largest = torch.tensor(routing.capacity, dtype=torch.int64, device=routing.slot.device)
+    comm.all_reduce(largest, group=group, op="max")
+    cap = int(largest)
+    return routing if cap == routing.capacity else dataclasses.replace(routing, capacity=cap)
 
 
 class MoE(nn.Module):

@@ -13,24 +13,9 @@ tensor, and its adjoint is the inverse permutation, which is the same all-to-all
 two dimensions swapped. That is the backward (the gradient of every element goes back to
 where the element came from); nothing is summed.
 
-Note [one buffer, rank-major]
-`all_to_all_single` sends dim-0 chunk j of one contiguous buffer to rank j. So the send
-buffer is x viewed as (N, ..., x_s/N, ...) with the rank axis moved to the front: one copy,
-none when that view is already contiguous (x scattered along its outermost dimension, as
-the attention output in the [s, b, h, d] layout is). The receive buffer has the same shape,
-chunk j from rank j; moving its rank axis to just before `gather_dim` and merging the two
-is a view when only size-1 dimensions precede `gather_dim` (the sequence of [s, b, h, d],
-or of [b, s, h, d] at b = 1), else one copy. So an exchange copies once on each side at
-most. (A size-1 dimension elsewhere can make the merge a strided view; `seq_all_to_all`
-makes that contiguous, so its result always is.)
-
-Where the send side copies anyway and the receiver takes strided tensors (the default
-attention: SDPA reads any strides), that copy can put each chunk's gathered dimension
-first, (N, x_g, rest...): the receive buffer then merges (N, x_g) as a view in every
-layout, and the result is a permuted view with no copy on the receive side. That is the
-ordering of `seq_all_to_all_many(..., contiguous=False)` and of the backward;
-`seq_all_to_all` and `contiguous=True` keep the natural order, whose merge is the copy
-that makes the result contiguous.
+The exchange itself is `meshspeed.comm.differentiable.all_to_all_many` (one send buffer
+and at most one copy on each side, Note [one buffer, rank-major] in comm/along.py); this
+module adds the bucketing and the contiguity each caller asks for.
 
 Note [buckets]
 Several tensors (q, k and v) share a collective by concatenating their pieces along
@@ -54,7 +39,7 @@ from typing import Any
 
 import torch
 
-from meshspeed import comm
+from meshspeed.comm.differentiable import all_to_all_many
 
 CPU_BUCKET_BYTES = 8 * 2**20  # Note [buckets]
 
@@ -65,7 +50,7 @@ def seq_all_to_all(x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: in
     the same with the dimensions swapped). The result is contiguous (Note [one buffer,
     rank-major])."""
     # .contiguous(): a no-op but where a size-1 dimension lets the merge be a strided view
-    return _AllToAll.apply(group, scatter_dim, gather_dim, False, x)[0].contiguous()
+    return all_to_all_many((x,), group, scatter_dim, gather_dim)[0].contiguous()
 
 
 def seq_all_to_all_many(
@@ -78,65 +63,9 @@ def seq_all_to_all_many(
     if not xs:
         raise ValueError("seq_all_to_all_many needs at least one tensor, got none")
     _check_shapes(xs, _dim(scatter_dim, xs[0].dim()))
-    outs = [out for bucket in _buckets(xs) for out in _AllToAll.apply(group, scatter_dim, gather_dim,
-                                                                       not contiguous, *bucket)]
+    outs = [out for bucket in _buckets(xs)
+            for out in all_to_all_many(bucket, group, scatter_dim, gather_dim, views=not contiguous)]
     return tuple(t.contiguous() for t in outs) if contiguous else tuple(outs)
-
-
-class _AllToAll(torch.autograd.Function):
-    """One collective for `xs`, concatenated in each rank's chunk along the forward's
-    `scatter_dim`, both ways."""
-
-    @staticmethod
-    def forward(ctx, group: Any, scatter_dim: int, gather_dim: int, views: bool, *xs: torch.Tensor):
-        ctx.backward_args = (group, gather_dim, scatter_dim, scatter_dim, True)
-        return tuple(_exchange(xs, group, scatter_dim, gather_dim, scatter_dim, views))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return (None, None, None, None, *_exchange(grads, *ctx.backward_args))
-
-
-def _exchange(
-    xs: Sequence[torch.Tensor], group: Any, scatter_dim: int, gather_dim: int, cat_dim: int, views: bool
-) -> list[torch.Tensor]:
-    """The all-to-all itself (no autograd), the tensors concatenated along `cat_dim` in
-    each chunk; `views`: results may be permuted views (Note [one buffer, rank-major])."""
-    n = comm.get_world_size(group)
-    ndim = xs[0].dim()
-    s, g, c = _dim(scatter_dim, ndim), _dim(gather_dim, ndim), _dim(cat_dim, ndim)
-    for x in xs:
-        if x.shape[s] % n:
-            raise ValueError(
-                f"all-to-all over {n} ranks cannot split dim {s} of size {x.shape[s]} (shape "
-                f"{tuple(x.shape)}) evenly; its size must be a multiple of {n}")
-    # (..., x_s, ...) -> (N, ..., x_s / N, ...): chunk j goes to rank j
-    pieces = [x.unflatten(s, (n, x.shape[s] // n)).movedim(s, 0) for x in xs]
-    natural_is_free = (len(xs) == 1 and pieces[0].is_contiguous()) or all(d == 1 for d in pieces[0].shape[1:g + 1])
-    if views and (c != g or len(xs) == 1) and not natural_is_free:  # chunks (N, x_g, rest): merge is a view
-        order = (0, g + 1, *(i for i in range(1, ndim + 1) if i != g + 1))
-        pieces = [p.permute(order) for p in pieces]
-        cat = order.index(c + 1)
-
-        def merge(part: torch.Tensor) -> torch.Tensor:
-            return part.flatten(0, 1).movedim(0, g)
-    else:  # (N, ..., x_g, ...) -> (..., N, x_g, ...) -> (..., N * x_g, ...)
-        cat = c + 1
-
-        def merge(part: torch.Tensor) -> torch.Tensor:
-            return part.movedim(0, g).flatten(g, g + 1)
-    sizes = [p.shape[cat] for p in pieces]
-    if len(pieces) == 1:
-        send = pieces[0].contiguous()
-    else:
-        shape = list(pieces[0].shape)
-        shape[cat] = sum(sizes)
-        send = pieces[0].new_empty(shape)
-        for piece, part in zip(pieces, send.split(sizes, dim=cat), strict=True):
-            part.copy_(piece)
-    recv = torch.empty_like(send)
-    comm.all_to_all_single(recv, send, group=group)
-    return [merge(part) for part in recv.split(sizes, dim=cat)]  # rank order is global order
 
 
 def _buckets(xs: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

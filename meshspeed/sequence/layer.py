@@ -238,7 +238,7 @@ def _replicate_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dim: int, n
 
 def _gather_is_view(t: torch.Tensor, lay: _Layout, n: int) -> bool:
     """Whether gathering `t`'s sequence after the exchange is a view of the receive buffer
-    (only size-1 dimensions before it; Note [one buffer, rank-major] in all_to_all.py)."""
+    (only size-1 dimensions before it; Note [one buffer, rank-major] in comm/along.py)."""
     sizes = [t.shape[i] // n if i == lay.heads else t.shape[i] for i in range(lay.seq)]
     return all(size == 1 for size in sizes)
 

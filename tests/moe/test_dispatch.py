@@ -1,6 +1,7 @@
 """MoE with expert parallelism on 2 and 4 gloo ranks against the same layer with every
 expert local, on one process: outputs, l_aux, exp_counts, input, gate and expert
-gradients; capacity that binds; dropless with uneven and empty ranks; bytes moved.
+gradients; capacity that binds; experts no rank or only some ranks route to; ranks with
+different token counts and with none, in both modes; bytes moved, against the formula.
 
 The reference: every rank builds the full layer (ep_size=1) from one seed and routes its
 own tokens with it, as the expert-parallel layer does (routing and capacity are per rank,
@@ -14,7 +15,6 @@ read its results. Parity failures come back as messages naming the case."""
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from meshspeed import comm
-from meshspeed.comm import debug
+from meshspeed.comm import ring_bytes
 from meshspeed.moe.gating import capacity
 from meshspeed.moe.layer import MoE
 from meshspeed.testing import run_distributed, world_sizes
@@ -74,16 +74,22 @@ def _grad(p):
     return torch.zeros_like(p) if p.grad is None else p.grad
 
 
-def _parity(name, group, num_experts, k, sizes, dead_expert=False, shape=None, used=False,
+def _parity(name, group, num_experts, k, sizes, dead_expert=None, shape=None, used=False,
             **options) -> tuple[list[str], dict]:
     """Failure messages of one case on this rank, and facts for the tests (tokens
-    dropped, exp_counts)."""
+    dropped, exp_counts). dead_expert "all": no rank routes to expert 0 (positive inputs,
+    its gate row -10); "rank 0": rank 0 does not, the others send it their first choices
+    (negative inputs)."""
     ep, rank, r = comm.get_world_size(group), comm.get_rank(), comm.get_rank(group)
-    full, layer = _layers(num_experts, ep, group, k, dead_expert, **options)
+    full, layer = _layers(num_experts, ep, group, k, dead_expert is not None, **options)
     g = torch.Generator().manual_seed(1000 + rank)
     num_tokens = sizes[rank]
-    x = torch.rand(num_tokens, M, generator=g) + 0.1 if dead_expert else torch.randn(
-        num_tokens, M, generator=g)
+    if dead_expert is None:
+        x = torch.randn(num_tokens, M, generator=g)
+    else:
+        x = torch.rand(num_tokens, M, generator=g) + 0.1
+        if dead_expert == "rank 0" and rank != 0:
+            x = -x
     dy = torch.randn(num_tokens, M, generator=g)
     if shape is not None:
         x, dy = x.view(*shape, M), dy.view(*shape, M)
@@ -131,27 +137,37 @@ def _cases(n) -> tuple[list[str], dict]:
                 if k > num_experts:
                     continue
                 tag = f"ep={ep} group={members} E={num_experts} k={k}"
-                same = [6] * n
+                same, none = [6] * n, [0] * n
+                uneven, empty = [3 + 5 * i for i in range(n)], [5] * (n - 1) + [0]
                 dropless = {"drop_tokens": False}
+                ample = {"capacity_factor": float(num_experts)}  # C = S * k: nothing can drop
+                binding = {"capacity_factor": 0.5, "min_capacity": 1}
                 cases = {
-                    # capacity_factor E: C = S * k, nothing can drop
-                    "ample": {"sizes": same, "capacity_factor": float(num_experts)},
-                    "ample 3-d": {"sizes": same, "shape": (2, 3),
-                                  "capacity_factor": float(num_experts)},
-                    "binding": {"sizes": [10] * n, "capacity_factor": 0.5, "min_capacity": 1},
-                    "binding used_token": {"sizes": [10] * n, "capacity_factor": 0.5,
-                                           "min_capacity": 1, "used": True},
-                    "dropless uneven": {"sizes": [3 + 5 * i for i in range(n)], **dropless},
+                    "ample": {"sizes": same, **ample},
+                    "ample 3-d": {"sizes": same, "shape": (2, 3), **ample},
+                    "ample dead expert": {"sizes": same, "dead_expert": "all", **ample},
+                    "ample dead expert on rank 0": {"sizes": same, "dead_expert": "rank 0", **ample},
+                    "binding": {"sizes": [10] * n, **binding},
+                    "binding used_token": {"sizes": [10] * n, "used": True, **binding},
+                    # different S per rank: different C, buffers padded to the largest
+                    # (Note [one capacity over the ep group] in meshspeed/moe/layer.py)
+                    "binding uneven": {"sizes": uneven, **binding},
+                    "capacity empty rank": {"sizes": empty, "min_capacity": 0},  # C = 0 there
+                    "capacity no tokens": {"sizes": none, "min_capacity": 0},  # C = 0 everywhere
+                    "dropless uneven": {"sizes": uneven, **dropless},
                     "dropless dead expert": {"sizes": [4 + i for i in range(n)],
-                                             "dead_expert": True, **dropless},
-                    "dropless empty rank": {"sizes": [5] * (n - 1) + [0], **dropless},
+                                             "dead_expert": "all", **dropless},
+                    "dropless dead expert on rank 0": {"sizes": [4 + i for i in range(n)],
+                                                       "dead_expert": "rank 0", **dropless},
+                    "dropless empty rank": {"sizes": empty, **dropless},
+                    "dropless no tokens": {"sizes": none, **dropless},
                     "dropless used_token": {"sizes": [2 + 3 * i for i in range(n)], "used": True,
                                             **dropless},
                 }
                 if k == 2:  # DeepSpeed's top-2 ignores used_token; covered by gating tests
                     cases = {c: o for c, o in cases.items() if "used_token" not in c}
                 if k == num_experts:  # every token goes to every expert: none can be idle
-                    del cases["dropless dead expert"]
+                    cases = {c: o for c, o in cases.items() if "dead expert" not in c}
                 for case, options in cases.items():
                     f, fact = _parity(f"{tag} {case}", group, num_experts, k, **options)
                     failures += f
@@ -159,23 +175,31 @@ def _cases(n) -> tuple[list[str], dict]:
     return failures, facts
 
 
+# Bytes: S = 2E tokens per rank and capacity factor 1.5, so that C = ceil(S/E * 1.5 * k)
+# = 3k is exact and the capacity buffer E*C*M is the issue's formula S * k * 1.5 * M.
+CF = 1.5
+
+
 def _bytes(n) -> dict:
-    """Bytes and calls of one forward and one backward, capacity and dropless, ep = n."""
+    """Bytes and calls of one forward and one backward at ep = n, E = 2n, k = 1 and 2:
+    capacity mode with the same S everywhere and with S differing by rank, and dropless."""
     out = {}
     num_experts = 2 * n
-    for mode, options in (("capacity", {"capacity_factor": 1.5}),
-                          ("dropless", {"drop_tokens": False})):
-        _, layer = _layers(num_experts, n, dist.group.WORLD, k=2, **options)
-        rank = comm.get_rank()
-        g = torch.Generator().manual_seed(rank)
-        num_tokens = 8 if mode == "capacity" else 3 + 2 * rank
-        x = torch.randn(num_tokens, M, generator=g, requires_grad=True)
-        with comm.CommCounter() as forward:
-            y, l_aux, counts = layer(x)
-        with comm.CommCounter() as backward:
-            (y.square().sum() + l_aux).backward()
-        out[mode] = {"forward": forward.summary(), "backward": backward.summary(),
-                     "counts": counts.tolist(), "tokens": num_tokens}
+    rank = comm.get_rank()
+    modes = {"capacity": ({"capacity_factor": CF, "min_capacity": 1}, 2 * num_experts),
+             "capacity uneven": ({"capacity_factor": CF, "min_capacity": 1}, 2 * num_experts + 4 * rank),
+             "dropless": ({"drop_tokens": False}, 3 + 2 * rank)}
+    for k in (1, 2):
+        for mode, (options, num_tokens) in modes.items():
+            _, layer = _layers(num_experts, n, dist.group.WORLD, k=k, **options)
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(num_tokens, M, generator=g, requires_grad=True)
+            with comm.CommCounter() as forward:
+                y, l_aux, counts = layer(x)
+            with comm.CommCounter() as backward:
+                (y.square().sum() + l_aux).backward()
+            out[mode, k] = {"forward": forward.summary(), "backward": backward.summary(),
+                            "counts": counts.tolist(), "tokens": num_tokens}
     return out
 
 
@@ -187,17 +211,6 @@ def _errors(n) -> dict:
         MoE(M, _expert(), num_experts=4, ep_size=4).set_expert_group(dist.group.WORLD)
     except ValueError as err:
         messages["group size"] = str(err)
-    # Capacity mode with different token counts per rank: the buffers' shapes differ (gloo
-    # aborts, Note [capacity exchange]); the comm debug mode names the mismatch instead.
-    layer = MoE(M, _expert(), num_experts=2, ep_size=2, min_capacity=1)
-    layer.set_expert_group(dist.group.WORLD)
-    os.environ[debug.ENV_VAR] = "1"
-    try:
-        layer(torch.randn(4 + 8 * comm.get_rank(), M))
-    except comm.CollectiveMismatchError as err:
-        messages["different S"] = str(err)
-    finally:
-        del os.environ[debug.ENV_VAR]
     return messages
 
 
@@ -248,45 +261,83 @@ def test_dropless_reaches_every_expert_and_drops_nothing(world_size):
                 assert fact["exp_counts"][0] == 0
 
 
+def _all_reduce_of_the_capacity(n: int) -> dict:
+    return {"calls": 1, "bytes": ring_bytes("all_reduce", 8, n)}  # one int64, MAX
+
+
 @world_sizes(2, 4)
-def test_capacity_mode_moves_the_padded_buffers(world_size):
-    n = num_experts = world_size
+def test_capacity_mode_moves_tokens_x_hidden_x_k_x_capacity_factor(world_size):
+    # Per MoE layer and rank: 2 all-to-alls forward (dispatch, combine) and 2 backward, each
+    # of the E x C x M buffer, S x k x capacity factor x M elements; (n-1)/n leaves the rank.
+    # The only other collective is the capacity's all-reduce (8 bytes, forward).
+    n = world_size
+    num_tokens = 2 * 2 * n  # S = 2E
+    for k in (1, 2):
+        formula = int(num_tokens * k * CF) * M * 4 * (n - 1) // n  # float32
+        assert formula == 2 * n * capacity(num_tokens, 2 * n, CF, 1, k=k) * M * 4 * (n - 1) // n
+        for rank in _results(n):
+            got = rank["bytes"]["capacity", k]
+            for phase in ("forward", "backward"):
+                assert got[phase]["all_to_all"] == {"calls": 2, "bytes": 2 * formula}, (k, phase)
+            assert got["forward"]["all_reduce"] == _all_reduce_of_the_capacity(n)
+            others = [s["bytes"] for phase in ("forward", "backward") for op, s in got[phase].items()
+                      if op not in ("all_to_all", "all_reduce")]
+            assert sum(others) + got["backward"]["all_reduce"]["calls"] == 0
+
+
+@world_sizes(2, 4)
+def test_capacity_mode_with_different_token_counts_pads_to_the_largest_capacity(world_size):
+    # Rank r holds S_r = 2E + 4r tokens: C_r differs by rank and every rank exchanges the
+    # largest (the last rank's), so the buffers agree; the parity cases "binding uneven" and
+    # "capacity empty rank" show that the routing is still each rank's own.
+    n = world_size
     num_experts = 2 * n
-    cap = capacity(8, num_experts, 1.5, 4, k=2)
-    per_call = num_experts * cap * M * 4 * (n - 1) // n  # E*C*M float32, (n-1)/n leaves
-    for rank in _results(n):
-        got = rank["bytes"]["capacity"]
-        for phase in ("forward", "backward"):
-            assert got[phase]["all_to_all"] == {"calls": 2, "bytes": 2 * per_call}
-            assert sum(s["bytes"] for op, s in got[phase].items() if op != "all_to_all") == 0
+    for k in (1, 2):
+        largest = capacity(2 * num_experts + 4 * (n - 1), num_experts, CF, 1, k=k)
+        assert capacity(2 * num_experts, num_experts, CF, 1, k=k) < largest
+        per_call = num_experts * largest * M * 4 * (n - 1) // n
+        for rank in _results(n):
+            got = rank["bytes"]["capacity uneven", k]
+            for phase in ("forward", "backward"):
+                assert got[phase]["all_to_all"] == {"calls": 2, "bytes": 2 * per_call}, (k, phase)
+            assert got["forward"]["all_reduce"] == _all_reduce_of_the_capacity(n)
 
 
 @world_sizes(2, 4)
 def test_dropless_moves_exactly_the_routed_tokens(world_size):
     n = world_size
     num_experts, local = 2 * n, 2
-    results = [rank["bytes"]["dropless"] for rank in _results(n)]
-    counts = [r["counts"] for r in results]  # [rank][expert]: choices routed, none dropped
-    for r, got in enumerate(results):
-        mine = range(r * local, (r + 1) * local)
-        sent_away = sum(c for e, c in enumerate(counts[r]) if e not in mine)
-        received = sum(counts[j][e] for j in range(n) if j != r for e in mine)
-        tokens = (sent_away + received) * M * 4  # out and back, float32
-        count_bytes = num_experts * 8 * (n - 1) // n  # the int64 counts exchange
-        assert got["forward"]["all_to_all"] == {"calls": 3, "bytes": count_bytes + tokens}
-        assert got["backward"]["all_to_all"] == {"calls": 2, "bytes": tokens}
-        for phase in ("forward", "backward"):
-            assert sum(s["bytes"] for op, s in got[phase].items() if op != "all_to_all") == 0
+    for k in (1, 2):
+        results = [rank["bytes"]["dropless", k] for rank in _results(n)]
+        counts = [r["counts"] for r in results]  # [rank][expert]: choices routed, none dropped
+        for r, got in enumerate(results):
+            assert sum(counts[r]) == k * got["tokens"]
+            mine = range(r * local, (r + 1) * local)
+            sent_away = sum(c for e, c in enumerate(counts[r]) if e not in mine)
+            received = sum(counts[j][e] for j in range(n) if j != r for e in mine)
+            tokens = (sent_away + received) * M * 4  # out and back, float32
+            count_bytes = num_experts * 8 * (n - 1) // n  # the int64 counts exchange
+            assert got["forward"]["all_to_all"] == {"calls": 3, "bytes": count_bytes + tokens}
+            assert got["backward"]["all_to_all"] == {"calls": 2, "bytes": tokens}
+            for phase in ("forward", "backward"):
+                assert sum(s["bytes"] for op, s in got[phase].items() if op != "all_to_all") == 0
+
+
+@world_sizes(2, 4)
+def test_experts_without_tokens_on_some_or_all_ranks(world_size):
+    for rank, result in enumerate(_results(world_size)):
+        for (ep, num_experts, k, case), fact in result["facts"].items():
+            if case.endswith("dead expert"):
+                assert fact["exp_counts"][0] == 0, case
+            elif case.endswith("dead expert on rank 0"):
+                assert (fact["exp_counts"][0] == 0) == (rank == 0), (rank, case, fact)
+            elif case.endswith("no tokens"):
+                assert fact["exp_counts"] == [0] * num_experts and fact["tokens"] == 0
 
 
 def test_a_group_of_the_wrong_size_is_named():
     message = _results(2)[0]["errors"]["group size"]
     assert "has 2 ranks but the layer was built with ep_size=4" in message
-
-
-def test_capacity_mode_with_different_token_counts_is_named_in_debug_mode():
-    message = _results(2)[0]["errors"]["different S"]
-    assert "all_to_all(shape=(2, 2, 8)" in message and "all_to_all(shape=(2, 6, 8)" in message
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -467,6 +467,28 @@ def test_gate_noise_policies_draw_nothing_in_eval(policy):
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_gate_rsample_with_top2_has_no_effect_and_warns_once(caplog):
+    # DeepSpeed 0.19.8 accepts it and passes the policy to top-1 gating only; scripts (the
+    # cifar10 example's --noisy-gate-policy RSample --top-k 2) rely on that.
+    gating._warn_once_on_rank_zero.cache_clear()
+    with caplog.at_level("WARNING", logger="meshspeed"):
+        noisy = Gate(5, 4, k=2, noisy_gate_policy="RSample")
+        Gate(5, 4, k=2, noisy_gate_policy="RSample")  # a second layer: no second warning
+    warnings = [r.getMessage() for r in caplog.records if "RSample" in r.getMessage()]
+    assert len(warnings) == 1 and "has no effect with k=2" in warnings[0]
+    plain = Gate(5, 4, k=2)
+    plain.load_state_dict(noisy.state_dict())
+    x = torch.randn(9, 5, generator=torch.Generator().manual_seed(0))
+    routings, states = [], []
+    for gate in (noisy, plain):
+        torch.manual_seed(3)
+        routings.append(gate.train()(x))
+        states.append(torch.get_rng_state())
+    for field in ("expert_index", "slot", "weight"):
+        assert torch.equal(getattr(routings[0], field), getattr(routings[1], field))
+    assert torch.equal(states[0], states[1])  # the same draws: the second expert's noise only
+
+
 def test_gate_none_string_policy_is_none():
     assert Gate(4, 2, noisy_gate_policy="None").noisy_gate_policy is None
 
@@ -476,7 +498,6 @@ def test_gate_none_string_policy_is_none():
     ({"k": 0}, "k=0 is not supported"),
     ({"num_experts": 1, "k": 2}, "k=2 is larger than num_experts=1"),
     ({"noisy_gate_policy": "Gumbel"}, "'Gumbel' is not one of None, 'None', 'Jitter', 'RSample'"),
-    ({"noisy_gate_policy": "RSample", "k": 2}, "'RSample' applies to k=1 only"),
     ({"capacity_factor": 0.0}, "capacity_factor=0.0: it must be > 0"),
     ({"eval_capacity_factor": -1.0}, "eval_capacity_factor=-1.0: it must be > 0"),
     ({"min_capacity": -1}, "min_capacity=-1"),

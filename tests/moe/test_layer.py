@@ -96,7 +96,6 @@ def test_copies_start_as_the_given_expert_and_are_independent():
     ({"num_experts": 4, "k": 3}, "k=3 is not supported; use k=1 (top-1) or k=2"),
     ({"num_experts": 1, "k": 2}, "k=2 is larger than num_experts=1"),
     ({"num_experts": 4, "noisy_gate_policy": "Gaussian"}, "noisy_gate_policy='Gaussian' is not one of"),
-    ({"num_experts": 4, "k": 2, "noisy_gate_policy": "RSample"}, "'RSample' applies to k=1 only"),
     ({"num_experts": 4, "capacity_factor": 0.0}, "capacity_factor=0.0: it must be > 0"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
