@@ -4,7 +4,7 @@ the layer against the expert count and the expert-parallel degree, and dropless 
 against capacity-factor 1.0.
 
     .venv/bin/python benchmarks/moe.py --json benchmarks/results/moe.json --write-docs
-                                                                  # about 10 minutes on 2 cores
+                                                                  # about 11 minutes on 2 cores
     .venv/bin/python benchmarks/moe.py --ep 2 --experts 8 --ks 1 --repeats 3   # a quick look
 
 For each ep in `--ep`, ep gloo ranks on this machine (one intra-op thread each; ep = 1 is
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=2048, help="per rank")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, help="write every timing here")
     parser.add_argument("--write-docs", action="store_true", help="replace the section in docs/benchmarks.md")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
