@@ -24,8 +24,10 @@ others (meshspeed keeps DeepSpeed's module tree and keys).
 
 Note [both frameworks in the same ranks]
 As in ulysses_ds.py: the machine is shared and its load moves within a minute, so the
-ranks hold both frameworks and alternate them call by call, the order rotating each
-repeat. They run in the anchor venv (torch 2.13 CPU, DeepSpeed 0.19.8, DS_ACCELERATOR=cpu)
+ranks hold both frameworks and alternate them call by call. The order is shuffled each
+repeat (seeded by the repeat, so the same on every rank): with a fixed cyclic order every
+variant would always follow the same other one, whose memory and cache state it inherits,
+and that biased the ratios by a few percent either way in trials. They run in the anchor venv (torch 2.13 CPU, DeepSpeed 0.19.8, DS_ACCELERATOR=cpu)
 with this checkout on PYTHONPATH for meshspeed. Without that venv only meshspeed runs.
 
 Note [what is timed]
@@ -71,6 +73,7 @@ import argparse
 import json
 import math
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -253,8 +256,9 @@ def _rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
             for i in range(plan["warmup"] + plan["repeats"]):
                 if i == plan["warmup"]:
                     meter.start()
-                shift = i % len(variants)
-                for name, layer in variants[shift:] + variants[:shift]:
+                order = list(variants)
+                random.Random(i).shuffle(order)  # the same order on every rank, Note [both frameworks...]
+                for name, layer in order:
                     t, a, c, n = _call(layer, x, upstream, 100 + i, timer)
                     if i >= plan["warmup"]:
                         seconds[name].append(t)
