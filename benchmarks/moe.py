@@ -6,6 +6,7 @@ against capacity-factor 1.0.
     .venv/bin/python benchmarks/moe.py --json benchmarks/results/moe.json --write-docs
                                                                   # about 11 minutes on 2 cores
     .venv/bin/python benchmarks/moe.py --ep 2 --experts 8 --ks 1 --repeats 3   # a quick look
+    .venv/bin/python benchmarks/moe.py --render benchmarks/results/moe.json [--write-docs]   # no run
 
 For each ep in `--ep`, ep gloo ranks on this machine (one intra-op thread each; ep = 1 is
 one process, no all-to-all), every rank with `--tokens` tokens of d_model `--d-model` in
@@ -457,6 +458,11 @@ def _parity_line(points: list[dict]) -> str | None:
             "experts also see the zero rows that pad every expert to the largest count.")
 
 
+def _span(values: list[float]) -> str:
+    low, high = f"{min(values):.0%}", f"{max(values):.0%}"
+    return low if low == high else f"{low} to {high}"
+
+
 def markdown(result: dict) -> str:
     from zero_report import command_and_machine
 
@@ -477,8 +483,8 @@ def markdown(result: dict) -> str:
          f"the slowest rank's; ratio = median over repeats of meshspeed's call / DeepSpeed's call of the same "
          f"repeat; CPU ratio the same of the busiest rank's CPU time (steadier where others' load is high); "
          f"tokens/s = ep x {plan['tokens']} / step time; a2a share = time inside `all_to_all_single` (rank "
-         f"mean) / step time (Note [all-to-all share]). Others' CPU load during the run: {min(loads):.0%} to "
-         f"{max(loads):.0%} of the machine. Notes named here are in the script's docstring."),
+         f"mean) / step time (Note [all-to-all share]). Others' CPU load during the run: {_span(loads)} of "
+         f"the machine. Notes named here are in the script's docstring."),
     ]
     lines += command_and_machine(result["command"], result["machine"])
     lines += ["### Capacity factor 1.0 (drop_tokens=True)", "", *cap, "",
@@ -512,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, help="write every timing here")
     parser.add_argument("--write-docs", action="store_true", help="replace the section in docs/benchmarks.md")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="no run: the report of a saved --json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--degree", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
@@ -519,6 +526,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.degree, args.plan, args.out)
+        return
+    if args.render:
+        result = json.loads(args.render.read_text())
+        result["points"] = summarise(result["rows"])  # this checkout's reading of the saved timings
+        _report(result, args.write_docs)
         return
     from zero_report import machine_description
 
@@ -538,13 +550,17 @@ def main(argv: list[str] | None = None) -> None:
     command = " ".join([".venv/bin/python", "benchmarks/moe.py", *(argv if argv is not None else sys.argv[1:])])
     result = {"command": command, "machine": machine, "plan": plan, "points": summarise(rows), "rows": rows,
               "seconds": round(time.time() - t_start)}
-    section = markdown(result)
-    print("\n" + section)
     print(f"done in {result['seconds']} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
-    if args.write_docs:
+    _report(result, args.write_docs)
+
+
+def _report(result: dict, write_docs: bool) -> None:
+    section = markdown(result)
+    print("\n" + section)
+    if write_docs:
         from zero_report import replace_section
 
         replace_section(section, REPO / "docs" / "benchmarks.md", DOCS_KEY)
