@@ -100,8 +100,11 @@ def exchange_capacity(routing: Routing, x: torch.Tensor, experts: RunExperts,
     buffer = routing.dispatch(x)  # [E, C, M]
     if ep > 1:
         buffer = all_to_all(buffer, group)  # [ep * local, C, M]: block j from rank j
-    blocks = buffer.view(ep, local, cap, model_dim)
-    outs = experts([blocks[:, i].reshape(ep * cap, model_dim) for i in range(local)])
+    # [ep, local, C, M] -> local expert i's [ep * C, M] rows: one copy (none if ep or local
+    # is 1), and unbind's backward one stack, where an index per expert would zero-fill a
+    # whole [E, C, M] gradient for each of the local experts.
+    per_expert = buffer.view(ep, local, cap, model_dim).transpose(0, 1).reshape(local, ep * cap, model_dim)
+    outs = experts(per_expert.unbind(0))
     if local == 1:
         out = outs[0].view(num_experts, cap, model_dim)
     else:

@@ -167,12 +167,16 @@ class Routing:
             raise ValueError(f"Routing.dispatch: x has shape {tuple(x.shape)}; expected "
                              f"[{num_tokens}, model_dim], one row per routed token.")
         rows = self.num_experts * self.capacity
-        # Dropped choices are written to one scratch row past the end, which is cut off:
-        # the copy needs no data-dependent shape (no host sync).
+        # A gather, Note [dispatch and combine as gathers]: the token of each slot, then one
+        # index_select. Dropped choices name one scratch slot past the end, which is cut
+        # off: no data-dependent shape (no host sync).
         target = torch.where(self.kept, self.flat_slot, rows).reshape(-1)
-        source = x if k == 1 else x.repeat_interleave(k, dim=0)  # row s*k + j: token s
-        buffer = x.new_zeros(rows + 1, x.shape[1]).index_copy(0, target, source)
-        return buffer[:rows].view(self.num_experts, self.capacity, x.shape[1])
+        token = torch.arange(num_tokens, device=x.device)
+        token = token if k == 1 else token.repeat_interleave(k)  # entry s*k + j: token s
+        source = torch.full((rows + 1,), num_tokens, dtype=torch.long, device=x.device)
+        source = source.scatter_(0, target, token)[:rows]  # empty slots: row num_tokens, zeros
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        return padded.index_select(0, source).view(self.num_experts, self.capacity, x.shape[1])
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """expert_out [E, C, M] -> [S, M]: each token's sum over its kept choices of
@@ -188,11 +192,11 @@ class Routing:
         model_dim = expert_out.shape[2]
         if self.capacity == 0:
             return expert_out.new_zeros(num_tokens, model_dim)
-        flat = expert_out.reshape(-1, model_dim)
-        routed = flat.index_select(0, self.flat_slot.clamp(min=0).reshape(-1))
-        # where, not a multiply by weight 0: an inf or nan in slot 0 must not leak into
-        # the tokens that were dropped.
-        routed = torch.where(self.kept.reshape(-1, 1), routed, 0)
+        rows = self.num_experts * self.capacity
+        # Dropped choices read a zero row past the end, not slot 0 times weight 0: an inf
+        # or nan in slot 0 must not leak into them (Note [dispatch and combine as gathers]).
+        flat = torch.cat([expert_out.reshape(rows, model_dim), expert_out.new_zeros(1, model_dim)])
+        routed = flat.index_select(0, torch.where(self.kept, self.flat_slot, rows).reshape(-1))
         out = (routed.view(num_tokens, k, model_dim) * self.weight.unsqueeze(-1)).sum(1)
         return out.to(expert_out.dtype)
 
@@ -210,6 +214,17 @@ class Routing:
         mask = mask.scatter(1, target, True)
         shape = (num_tokens, self.num_experts, self.capacity)
         return weights[:, :cols].reshape(shape), mask[:, :cols].reshape(shape)
+
+
+# Note [dispatch and combine as gathers]
+# Both directions are one index_select over a copy of the source with a zero row appended:
+# dispatch names the token of every slot (the zero row for empty slots), combine the slot
+# of every choice (the zero row for dropped ones). A scatter into a zero-filled buffer
+# (index_copy) costs a fill and a copy of the [E * C, M] buffer, plus a [S * k, M] copy of
+# x for k = 2, and its backward as much again; masking the dropped choices with `where`
+# costs a pass over [S * k, M] each way. The gather's backward is one index_add into zeros.
+# The results are the same bit for bit: the same rows are copied, and a token's gradient
+# sums its k <= 2 slots' gradients (a + b in either order).
 
 
 # -- top-1 and top-2 ----------------------------------------------------------------------------
