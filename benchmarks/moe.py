@@ -75,9 +75,7 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,10 +85,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also in spawned ranks
 
+from anchor_ranks import ANCHOR_PY, REPO, run_degree, spawn_ranks  # imports no meshspeed
 from pipeline_worker import LoadMeter  # imports only torch
 
-REPO = Path(__file__).resolve().parent.parent
-ANCHOR_PY = Path("/root/.cache/meshspeed-anchors/bin/python")
 DOCS_KEY = "moe.py"
 AUX_COEF = 0.01
 DS, MS, DS_DL, MS_DL = "DeepSpeed", "meshspeed", "DeepSpeed dropless", "meshspeed dropless"
@@ -286,30 +283,15 @@ def _rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker(world: int, plan_path: str, out: str) -> None:
-    import torch.multiprocessing as mp
-
-    plan = json.loads(Path(plan_path).read_text())
-    mp.start_processes(_rank, args=(world, _free_port(), plan, out), nprocs=world, start_method="spawn")
+    spawn_ranks(_rank, world, plan_path, out)
 
 
 # -- the parent: one launch per ep, the tables ---------------------------------------------------
 
 
 def _run(world: int, plan: dict, tmp: Path) -> dict:
-    plan_path, out = tmp / f"plan-{world}.json", tmp / f"result-{world}.json"
-    plan_path.write_text(json.dumps(plan))
-    python = str(ANCHOR_PY) if plan["deepspeed"] else sys.executable
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
-    subprocess.run([python, __file__, "--worker", "--degree", str(world), "--plan", str(plan_path), "--out", str(out)],
-                   check=True, env=env)
-    return json.loads(out.read_text())
+    return run_degree(__file__, world, plan, tmp)
 
 
 def _paired(a: list[float] | None, b: list[float] | None) -> float | None:
