@@ -11,7 +11,9 @@ from tests.offload import heap
 from tests.offload.workers import checkpoint_heap_peak, offload, setup
 
 MODEL = {"vocab_size": 256, "d_model": 128, "n_layer": 4, "n_head": 4, "max_seq_len": 16}
-SLACK = 1 << 19  # metadata, RNG state, buffers, the allocator's bookkeeping (~90 KiB measured)
+SLACK = 1 << 20  # metadata, RNG state, buffers, the allocator's bookkeeping: ~90 KiB measured idle,
+# 0.54 MiB once with the machine under heavy load (other threads' allocations count too); the
+# rank's whole swapped state is ~5 MiB, so the bound still tells one range from all of them
 
 
 def _setup(swap, **checkpoint):
