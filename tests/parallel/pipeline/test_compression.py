@@ -138,7 +138,7 @@ def test_compressed_training_stays_within_rounding_of_the_uncompressed_run():
     first step (forward rounding only, same parameters) 3e-6 and 2e-6.
     Parameters are not compared: AdamW turns a gradient element near zero into a +-lr
     step whatever its size, so the compressed runs' parameters drift by up to lr per step
-    in such elements (up to 8% of the largest parameter, relative, after 12 steps) while the
+    in such elements (up to 8% of a parameter tensor's largest element after 12 steps) while the
     losses stay this close.
     """
     setups = [ParitySetup(**BASE), _compressed("none"), _compressed("bf16"), _compressed("int8")]
