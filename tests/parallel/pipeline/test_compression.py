@@ -54,6 +54,10 @@ def test_int8_is_within_half_a_step_of_its_row():
     assert wire_mode(mask.dtype, "int8") == "none" and torch.equal(_roundtrip(mask, "int8"), mask)
     for shape in [(), (5,), (3, 0), (0, 4)]:
         assert _roundtrip(torch.randn(shape), "int8").shape == shape
+    half = x[0].to(torch.bfloat16)  # a bf16 activation is quantized too, and comes back bf16
+    assert _roundtrip(half, "int8").dtype == torch.bfloat16
+    bound = float(half.abs().max()) * (1 / 254 + 2**-8)  # half a step, then bf16's rounding
+    torch.testing.assert_close(_roundtrip(half, "int8"), half, rtol=0, atol=bound)
 
 
 # -- bytes on the link (2 ranks) --------------------------------------------------------------------
@@ -121,13 +125,18 @@ STEPS = 12
 BASE = {"world": 2, "pp": 2, "steps": STEPS, "gas": 4, "micro": 2, "seq": 8, "model": {"n_layer": 4}}
 
 
-def _compressed(mode):
-    return ParitySetup(**BASE, extra_config={"pipeline": {"activation_compression": mode}})
+INTERLEAVED = {"schedule": "interleaved", "virtual": 2, "model": {"n_layer": 6}}  # 8 layers, 4 runs
+
+
+def _compressed(mode, **changes):
+    return ParitySetup(**{**BASE, **changes}, extra_config={"pipeline": {"activation_compression": mode}})
 
 
 def test_compressed_training_stays_within_rounding_of_the_uncompressed_run():
     """pp=2 GPTPipe (1F1B, AdamW, clipping), 12 steps: "none" is the uncompressed run bit
-    for bit; "bf16" and "int8" give every step's loss within rtol 1e-3 of it.
+    for bit; "bf16" and "int8" give every step's loss within rtol 1e-3 of it, and so
+    does "int8" under the interleaved schedule (2 chunks a stage: 3 hidden states cross
+    the link each way per micro-batch).
 
     Why 1e-3: the hidden state (16 tokens x 32 per micro-batch) and its gradient cross
     the link once each way per micro-batch, each element off by at most 2^-8 = 3.9e-3 of
@@ -135,16 +144,20 @@ def test_compressed_training_stays_within_rounding_of_the_uncompressed_run():
     loss is a mean over tokens, and those roundings are independent and of both signs, so
     their first-order effect on it averages out far below one element's bound; 1e-3 is a
     quarter of it. Observed over 12 steps: at most 3.4e-5 (bf16) and 7.1e-5 (int8), the
-    first step (forward rounding only, same parameters) 3e-6 and 2e-6.
+    first step (forward rounding only, same parameters) 3e-6 and 2e-6; interleaved int8
+    at most 7.3e-5.
     Parameters are not compared: AdamW turns a gradient element near zero into a +-lr
     step whatever its size, so the compressed runs' parameters drift by up to lr per step
     in such elements (up to 8% of a parameter tensor's largest element after 12 steps) while the
     losses stay this close.
     """
-    setups = [ParitySetup(**BASE), _compressed("none"), _compressed("bf16"), _compressed("int8")]
-    (default, none, bf16, int8), _ = run_distributed(engine_runs, world_size=2, args=(setups,), timeout=300)
+    setups = [ParitySetup(**BASE), _compressed("none"), _compressed("bf16"), _compressed("int8"),
+              ParitySetup(**{**BASE, **INTERLEAVED}), _compressed("int8", **INTERLEAVED)]
+    (default, none, bf16, int8, interleaved, interleaved_int8), _ = run_distributed(
+        engine_runs, world_size=2, args=(setups,), timeout=300)
     assert none[0] == default[0] and all(torch.equal(none[1][k], v) for k, v in default[1].items())
-    for mode, (losses, _) in (("bf16", bf16), ("int8", int8)):
-        assert losses != default[0], f"{mode}: compression changed nothing"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(default[0]), rtol=1e-3, atol=0,
+    for mode, (losses, _), (ref, _) in (("bf16", bf16, default), ("int8", int8, default),
+                                        ("interleaved int8", interleaved_int8, interleaved)):
+        assert losses != ref, f"{mode}: compression changed nothing"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-3, atol=0,
                                    msg=lambda m, mode=mode: f"{mode}: {m}")
