@@ -1,4 +1,5 @@
-"""The `pipeline` section: DeepSpeed's pipeline block plus meshspeed's schedule choice.
+"""The `pipeline` section: DeepSpeed's pipeline block plus meshspeed's schedule choice
+and activation compression.
 
 Owned by `meshspeed/parallel/pipeline` and `meshspeed/engine/pipeline.py`. The number
 of stages is the model's (`PipelineModule(num_stages=...)`); `stages` here, when a
