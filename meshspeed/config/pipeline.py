@@ -1,4 +1,5 @@
-"""The `pipeline` section: DeepSpeed's pipeline block plus meshspeed's schedule choice.
+"""The `pipeline` section: DeepSpeed's pipeline block plus meshspeed's schedule choice
+and activation compression.
 
 Owned by `meshspeed/parallel/pipeline` and `meshspeed/engine/pipeline.py`. The number
 of stages is the model's (`PipelineModule(num_stages=...)`); `stages` here, when a
@@ -30,3 +31,8 @@ class PipelineConfig(StrictModel):
     # meshspeed: the micro-batch schedule (meshspeed/parallel/pipeline/schedule.py)
     schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1"] = "1f1b"
     virtual_stages: PositiveInt = Field(1)  # model chunks per stage, for "interleaved"
+    # meshspeed: how floating activations and their gradients travel between stages:
+    # "bf16" (fp32 sent as bf16, 1/2 the bytes) or "int8" (per-token max-abs scales,
+    # 1/4 the bytes + 4 per token); Note [compressed activations between stages] in
+    # meshspeed/parallel/pipeline/compress.py
+    activation_compression: Literal["none", "bf16", "int8"] = "none"

@@ -227,7 +227,8 @@ class PipelineEngine(MeshspeedEngine):
     def _run(self, actions, inputs, targets, *, train: bool, outputs: list | None = None) -> list[float]:
         chunks = self.module.chunks()
         kwargs = {"stage": self.stage_id, "stages": self.num_stages, "group": self.pp_group,
-                  "inputs": inputs, "targets": targets, "loss_fn": self.module.loss_fn}
+                  "inputs": inputs, "targets": targets, "loss_fn": self.module.loss_fn,
+                  "compression": self.config.pipeline.activation_compression}
         if not train:
             return run_stage(chunks if len(chunks) > 1 else chunks[0], actions, train=False,
                              outputs=outputs, **kwargs)

@@ -24,7 +24,9 @@ receives (test_runtime.py checks it for p up to 8), but NCCL is untested here.
 
 Note [shapes once, checked every micro-batch]
 Every activation tensor is preceded by a header of 12 int64 (96 bytes): the number of
-tensors in the message, whether they are a tuple, the dtype and the shape. The receiver
+tensors in the message, whether they are a tuple, the dtype, how it is compressed (Note
+[compressed activations between stages] in compress.py; packed into the dtype's slot,
+which for an uncompressed tensor is the dtype's code as before) and the shape. The receiver
 allocates its buffers from the headers, and both sides compare each micro-batch's headers
 with the first micro-batch's for the same chunk. A stage whose output changes shape,
 dtype or count mid-batch raises `PipelineShapeError` naming both, and so does its
@@ -41,7 +43,7 @@ first sends a small int64 tensor of flags, one per floating tensor, then the gra
 that exist, so the sender of the activation backpropagates exactly what a one-process
 backward would (an unused output leaves its parameters' .grad None, not zeros, and
 their hooks do not fire). Gradients carry no header: they have the shape and dtype of
-the activation they belong to.
+the activation they belong to, and travel compressed as it did.
 
 Buffers and headers are allocated on `device` (the stage's parameters' device); only
 CPU tensors over gloo are tested here.
@@ -52,6 +54,7 @@ from __future__ import annotations
 import torch
 
 from meshspeed import comm
+from meshspeed.parallel.pipeline.compress import MODES, decode, encode, wire_mode, wire_spec
 
 _HEADER = 12  # int64 slots: count, is_tuple, dtype code, ndim, up to 8 dims
 _MAX_DIMS = _HEADER - 4
@@ -94,30 +97,34 @@ def floating(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point()]
 
 
-Spec = tuple[bool, tuple[tuple[torch.Size, torch.dtype], ...]]  # (is_tuple, (shape, dtype) each)
+# (is_tuple, (shape, dtype, how it travels: compress.wire_mode) each)
+Spec = tuple[bool, tuple[tuple[torch.Size, torch.dtype, str], ...]]
 
 
-def _header(t: torch.Tensor, count: int, is_tuple: bool) -> torch.Tensor:
+def _header(t: torch.Tensor, count: int, is_tuple: bool, wire: str) -> torch.Tensor:
     if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
         raise PipelineShapeError(f"a pipeline activation must be a tensor of at most {_MAX_DIMS} "
                                  f"dims in one of {_DTYPES}, got {tuple(t.shape)} {t.dtype}")
     h = torch.zeros(_HEADER, dtype=torch.int64)
-    h[0], h[1], h[2], h[3] = count, int(is_tuple), _DTYPES.index(t.dtype), t.dim()
+    code = _DTYPES.index(t.dtype) + len(_DTYPES) * MODES.index(wire)  # "none": the dtype's code
+    h[0], h[1], h[2], h[3] = count, int(is_tuple), code, t.dim()
     h[4 : 4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return h
 
 
-def _read(h: torch.Tensor) -> tuple[int, bool, torch.Size, torch.dtype]:
+def _read(h: torch.Tensor) -> tuple[int, bool, torch.Size, torch.dtype, str]:
     count, is_tuple, code, ndim = (int(v) for v in h[:4])
-    if not (1 <= count <= MAX_TENSORS and 0 <= code < len(_DTYPES) and 0 <= ndim <= _MAX_DIMS):
+    if not (1 <= count <= MAX_TENSORS and 0 <= code < len(_DTYPES) * len(MODES) and 0 <= ndim <= _MAX_DIMS):
         raise PipelineShapeError(f"a pipeline activation header is unreadable ({h.tolist()}): the "
                                  "two stages disagree on the message order")
-    return count, bool(is_tuple), torch.Size(int(d) for d in h[4 : 4 + ndim]), _DTYPES[code]
+    shape = torch.Size(int(d) for d in h[4 : 4 + ndim])
+    return count, bool(is_tuple), shape, _DTYPES[code % len(_DTYPES)], MODES[code // len(_DTYPES)]
 
 
 def _describe(spec: Spec) -> str:
     is_tuple, parts = spec
-    each = [f"{tuple(shape)} {dtype}" for shape, dtype in parts]
+    each = [f"{tuple(shape)} {dtype}" + (f" sent as {wire}" if wire != "none" else "")
+            for shape, dtype, wire in parts]
     return f"a tuple of ({', '.join(each)})" if is_tuple else each[0]
 
 
@@ -140,12 +147,17 @@ def _changed(what: str, spec: Spec, first: Spec) -> str:
 
 class Link:
     """This stage's point-to-point traffic with the neighbouring virtual stages in `group`
-    (whose ranks are the stage ids)."""
+    (whose ranks are the stage ids). `compression`: "none", "bf16" or "int8", how floating
+    activations and their gradients travel (Note [compressed activations between stages]
+    in compress.py); every stage of a pipeline must use the same."""
 
-    def __init__(self, stage: int, stages: int, chunks: int, group, device: torch.device | None = None):
+    def __init__(self, stage: int, stages: int, chunks: int, group, device: torch.device | None = None,
+                 compression: str = "none"):
         if chunks > MAX_CHUNKS:
             raise ValueError(f"a pipeline stage holds at most {MAX_CHUNKS} model chunks, got {chunks}")
+        wire_mode(torch.float32, compression)  # a ValueError naming the modes if unknown
         self.stage, self.stages, self.chunks, self.group = stage, stages, chunks, group
+        self.compression = compression
         self.device = device or torch.device("cpu")
         self._sent: dict[int, Spec] = {}  # chunk -> the first micro-batch's output
         self._received: dict[int, Spec] = {}  # chunk -> the first micro-batch's input
@@ -174,21 +186,23 @@ class Link:
                                      f"the next stage; at most {MAX_TENSORS} can be sent")
         _check_micro(micro)
         dst = self.next_of(chunk)[0]
-        headers = [_header(t, len(tensors), is_tuple).to(self.device) for t in tensors]
+        wires = [wire_mode(t.dtype, self.compression) for t in tensors]
+        headers = [_header(t, len(tensors), is_tuple, w).to(self.device) for t, w in zip(tensors, wires)]
         for i, h in enumerate(headers):  # all of them before the check (Note [shapes once, ...])
             self._send(h, dst, tag(_ACTIVATION, micro, chunk, i, _HEAD))
-        spec = (is_tuple, tuple((t.shape, t.dtype) for t in tensors))
+        spec = (is_tuple, tuple((t.shape, t.dtype, w) for t, w in zip(tensors, wires)))
         first = self._sent.setdefault(chunk, spec)
         if spec != first:
             # the receiver has posted data receives of the first shapes (Note [receives posted
             # together]): fill them with zeros, so nothing is left waiting, then fail
-            for i, (shape, dtype) in enumerate(first[1]):
+            for i, part in enumerate(first[1]):
+                shape, dtype = wire_spec(*part)
                 self._send(torch.zeros(shape, dtype=dtype, device=self.device), dst,
                            tag(_ACTIVATION, micro, chunk, i, _DATA))
             raise PipelineShapeError(_changed(f"{self.name(self.stage, chunk)}: micro-batch {micro}'s "
                                               "output", spec, first))
-        for i, t in enumerate(tensors):
-            self._send(t.detach().contiguous(), dst, tag(_ACTIVATION, micro, chunk, i, _DATA))
+        for i, (t, w) in enumerate(zip(tensors, wires)):
+            self._send(encode(t, w), dst, tag(_ACTIVATION, micro, chunk, i, _DATA))
 
     def recv_activation(self, micro: int, chunk: int):
         """The input of this stage's `chunk` for `micro`: a tensor, or a tuple of them."""
@@ -196,20 +210,31 @@ class Link:
         if chunk in self._received and src != self.stage:
             return self._recv_expected(micro, chunk, src, src_chunk)
         h = self._recv(self._empty(_HEADER, torch.int64), src, tag(_ACTIVATION, micro, src_chunk, 0, _HEAD))
-        count, is_tuple, shape, dtype = _read(h)
-        parts = [(shape, dtype)]
+        count, is_tuple, *part = _read(h)
+        parts = [tuple(part)]
         for i in range(1, count):
             h = self._recv(self._empty(_HEADER, torch.int64), src,
                            tag(_ACTIVATION, micro, src_chunk, i, _HEAD))
             parts.append(_read(h)[2:])
         spec = (is_tuple, tuple(parts))
+        self._check_compression(spec, micro, chunk, src, src_chunk)
         first = self._received.setdefault(chunk, spec)
         if spec != first:
             raise PipelineShapeError(_changed(f"{self.name(self.stage, chunk)}: micro-batch {micro}'s input "
                                               f"from {self.name(src, src_chunk)}", spec, first))
-        tensors = [self._recv(self._empty(s, d), src, tag(_ACTIVATION, micro, src_chunk, i, _DATA))
-                   for i, (s, d) in enumerate(parts)]
+        tensors = [decode(self._recv(self._empty(*wire_spec(*part)), src,
+                                     tag(_ACTIVATION, micro, src_chunk, i, _DATA)), *part)
+                   for i, part in enumerate(parts)]
         return tuple(tensors) if is_tuple else tensors[0]
+
+    def _check_compression(self, spec: Spec, micro: int, chunk: int, src: int, src_chunk: int) -> None:
+        for shape, dtype, wire in spec[1]:
+            if wire != wire_mode(dtype, self.compression):
+                raise PipelineShapeError(
+                    f"{self.name(self.stage, chunk)}: micro-batch {micro}'s input from "
+                    f"{self.name(src, src_chunk)} is {tuple(shape)} {dtype} sent as {wire}, but this stage's "
+                    f"activation compression is {self.compression!r}: pipeline.activation_compression "
+                    "must be the same on every stage")
 
     def _recv_expected(self, micro: int, chunk: int, src: int, src_chunk: int):
         """Note [receives posted together]: headers and data in flight at once, the data
@@ -217,7 +242,7 @@ class Link:
         first = self._received[chunk]
         is_tuple, parts = first
         heads = [self._empty(_HEADER, torch.int64) for _ in parts]
-        datas = [self._empty(shape, dtype) for shape, dtype in parts]
+        datas = [self._empty(*wire_spec(*part)) for part in parts]
         head_works = [comm.irecv(h, src=src, group=self.group, tag=tag(_ACTIVATION, micro, src_chunk, i, _HEAD))
                       for i, h in enumerate(heads)]
         data_works = [comm.irecv(d, src=src, group=self.group, tag=tag(_ACTIVATION, micro, src_chunk, i, _DATA))
@@ -233,7 +258,8 @@ class Link:
                                               f"from {self.name(src, src_chunk)}", spec, first))
         for work in data_works:
             work.wait()
-        return tuple(datas) if is_tuple else datas[0]
+        tensors = [decode(d, *part) for d, part in zip(datas, parts)]
+        return tuple(tensors) if is_tuple else tensors[0]
 
     # -- gradients (Note [tuples: only floating tensors carry gradients]) -------------------------
     def send_grads(self, grads: list[torch.Tensor | None], micro: int, chunk: int,
@@ -248,12 +274,14 @@ class Link:
         complete = self._sent_all_grads.setdefault(chunk, all(g is not None for g in grads))
         for i, g in enumerate(grads):
             if g is not None:
-                self._send(g.detach().contiguous(), dst, tag(_GRADIENT, micro, chunk, i, _DATA))
+                self._send(encode(g, wire_mode(g.dtype, self.compression)), dst,
+                           tag(_GRADIENT, micro, chunk, i, _DATA))
             elif complete and dst != self.stage:
                 if likes is None:
                     raise ValueError("send_grads: a gradient missing after a complete first micro-batch "
                                      "needs likes= (the inputs) to fill its posted receive")
-                self._send(torch.zeros_like(likes[i], memory_format=torch.contiguous_format), dst,
+                zeros = torch.zeros_like(likes[i], memory_format=torch.contiguous_format)
+                self._send(encode(zeros, wire_mode(zeros.dtype, self.compression)), dst,
                            tag(_GRADIENT, micro, chunk, i, _DATA))
 
     def recv_grads(self, outputs: list[torch.Tensor], micro: int, chunk: int) -> list[torch.Tensor | None]:
@@ -265,23 +293,34 @@ class Link:
         flags = self._recv(self._empty(len(outputs), torch.int64), src,
                            tag(_GRADIENT, micro, src_chunk, 0, _HEAD)).tolist()
         self._all_flagged.setdefault(chunk, all(flags))
-        return [self._recv(torch.empty_like(y, memory_format=torch.contiguous_format), src,
-                           tag(_GRADIENT, micro, src_chunk, i, _DATA)) if flag else None
+        return [self._decode_grad(self._recv(self._grad_buffer(y), src, tag(_GRADIENT, micro, src_chunk, i, _DATA)),
+                                  y) if flag else None
                 for i, (y, flag) in enumerate(zip(outputs, flags))]
+
+    def _grad_buffer(self, y: torch.Tensor) -> torch.Tensor:
+        """Where the gradient of output `y` arrives: y's shape and dtype, or compressed."""
+        wire = wire_mode(y.dtype, self.compression)
+        if wire == "none":  # as before compression existed (a buffer on y's device)
+            return torch.empty_like(y, memory_format=torch.contiguous_format)
+        return self._empty(*wire_spec(y.shape, y.dtype, wire))
+
+    def _decode_grad(self, buf: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return decode(buf, y.shape, y.dtype, wire_mode(y.dtype, self.compression))
 
     def _recv_all_grads(self, outputs, micro: int, chunk: int, src: int, src_chunk: int):
         """Every output had a gradient in the first micro-batch: flags and gradients posted
         together (Note [receives posted together]); a gradient now missing arrives as
         zeros and is returned as None, as usual."""
         flags_buf = self._empty(len(outputs), torch.int64)
-        grads = [torch.empty_like(y, memory_format=torch.contiguous_format) for y in outputs]
+        grads = [self._grad_buffer(y) for y in outputs]
         flag_work = comm.irecv(flags_buf, src=src, group=self.group, tag=tag(_GRADIENT, micro, src_chunk, 0, _HEAD))
         works = [comm.irecv(g, src=src, group=self.group, tag=tag(_GRADIENT, micro, src_chunk, i, _DATA))
                  for i, g in enumerate(grads)]
         flag_work.wait()
         for work in works:  # an absent one arrives as zeros (send_grads)
             work.wait()
-        return [g if flag else None for flag, g in zip(flags_buf.tolist(), grads)]
+        return [self._decode_grad(g, y) if flag else None
+                for flag, g, y in zip(flags_buf.tolist(), grads, outputs)]
 
     # -- transport -------------------------------------------------------------------------------
     def _empty(self, shape, dtype: torch.dtype) -> torch.Tensor:

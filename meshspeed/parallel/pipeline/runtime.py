@@ -69,7 +69,7 @@ def run_stage(modules: nn.Module | Sequence[nn.Module], actions: Sequence[Action
               stages: int, group, inputs: Sequence | None = None, targets: Sequence | None = None,
               loss_fn: Callable | None = None, loss_scale: float = 1.0, train: bool = True,
               outputs: list | None = None, grad_pass: GradPass | None = None,
-              timeline: list[Span] | None = None) -> list[float]:
+              timeline: list[Span] | None = None, compression: str = "none") -> list[float]:
     """Execute `actions` (one stage's schedule) for one batch; returns the last stage's
     per-micro-batch losses (unscaled, undivided, in micro-batch order), [] elsewhere.
 
@@ -86,6 +86,9 @@ def run_stage(modules: nn.Module | Sequence[nn.Module], actions: Sequence[Action
                 action that accumulates parameter gradients ("B", "I", "W") runs in;
                 `last` is True for this stage's final one of the batch.
     timeline:   when given, gets one Span per executed action (Note [what a span measures]).
+    compression: how activations and their gradients travel between stages, "none",
+                "bf16" or "int8" (Note [compressed activations between stages] in
+                compress.py); the same on every stage.
     """
     chunks = list(modules) if isinstance(modules, (list, tuple, nn.ModuleList)) else [modules]
     if not train:
@@ -93,7 +96,7 @@ def run_stage(modules: nn.Module | Sequence[nn.Module], actions: Sequence[Action
     actions = fuse_adjacent_halves(actions)  # Note [an I right before its W is a B] in schedule.py
     _check(actions, chunks, stage, stages)
     device = next((p.device for c in chunks for p in c.parameters()), None)
-    runner = _Runner(chunks, Link(stage, stages, len(chunks), group, device), stage=stage, stages=stages,
+    runner = _Runner(chunks, Link(stage, stages, len(chunks), group, device, compression), stage=stage, stages=stages,
                      actions=actions, train=train, loss_scale=loss_scale, loss_fn=loss_fn,
                      inputs=inputs, targets=targets, want_outputs=outputs is not None,
                      grad_pass=grad_pass, timeline=timeline)
