@@ -31,6 +31,10 @@ class GradientCompressionConfig(StrictModel):
     chunk_size: PositiveInt | None = None  # int8/int4 only: elements per scale; default 256
     error_feedback: bool = True  # carry what compression lost into the next step
     warmup_steps: NonNegInt = 0  # optimizer steps reduced uncompressed first
+    # int8/int4: "all_gather" every rank's whole payload (one hop, overlaps backward), or
+    # "two_hop": all-to-all of quantized shards, sum, requantize, all-gather (bytes do not
+    # grow with the data-parallel size; a second quantization, with its own residual)
+    exchange: Literal["all_gather", "two_hop"] = "all_gather"
 
     @model_validator(mode="after")
     def _method_keys(self):
@@ -38,6 +42,9 @@ class GradientCompressionConfig(StrictModel):
             raise ValueError(f'topk_ratio is for method "topk"; method is "{self.method}" (drop it)')
         if self.method == "topk" and self.chunk_size is not None:
             raise ValueError('chunk_size is for methods "int8" and "int4"; method is "topk" (drop it)')
+        if self.method == "topk" and self.exchange == "two_hop":
+            raise ValueError('exchange "two_hop" is for methods "int8" and "int4"; top-k payloads '
+                             'of different ranks hold different indices (use "all_gather")')
         if self.method == "int4" and self.chunk_size is not None and self.chunk_size % 2:
             raise ValueError(f"chunk_size must be even for int4 (two values per byte), got {self.chunk_size}")
         return self

@@ -279,7 +279,8 @@ def _grad_compression(cfg: MeshspeedConfig) -> GradCompression | None:
     if gc is None:
         return None
     return GradCompression(method=gc.method, ratio=gc.ratio, chunk=gc.chunk,
-                           error_feedback=gc.error_feedback, warmup_steps=gc.warmup_steps)
+                           error_feedback=gc.error_feedback, warmup_steps=gc.warmup_steps,
+                           two_hop=gc.exchange == "two_hop")
 
 
 def _build_optimizer(cfg, client, model_parameters, module, strategy, placement):

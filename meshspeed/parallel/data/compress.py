@@ -40,6 +40,7 @@ class GradCompression:
     chunk: int = 256  # int8/int4: elements per scale
     error_feedback: bool = True
     warmup_steps: int = 0  # optimizer steps reduced uncompressed first
+    two_hop: bool = False  # int8/int4: Note [two hops], instead of one all-gather
 
     def codec(self, numel: int) -> Codec:
         if self.method == "topk":
@@ -150,6 +151,11 @@ class Quantized(Codec):
 # colliding (order-dependent) atomic adds on a GPU.
 
 
+def compressed_bucket(policy: GradCompression, numel: int, device: torch.device, group):
+    """One bucket's exchange: `launch(grad, async_op)` from the hook, `sum_into(out)` at the step."""
+    return (TwoHopBucket if policy.two_hop else CompressedBucket)(policy, numel, device, group)
+
+
 class CompressedBucket:
     """One bucket's compressed exchange and its error-feedback residual (fp32, this rank's)."""
 
@@ -159,6 +165,10 @@ class CompressedBucket:
         self.world = comm.get_world_size(group)
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device) if policy.error_feedback else None
         self.gathered: torch.Tensor | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """What stays resident between steps (memory report: comm_buffers)."""
+        return [] if self.residual is None else [self.residual]
 
     def launch(self, grad: torch.Tensor, async_op: bool):
         """Compress grad (+ residual), update the residual, start the all-gather."""
@@ -179,4 +189,67 @@ class CompressedBucket:
         for payload in self.gathered.view(self.world, self.codec.payload_bytes):
             self.codec.add_decoded_(total, payload)
         out.copy_(total)
+        self.gathered = None
+
+
+# Note [two hops]
+# An all-gather of whole payloads moves (N-1) x payload per rank: more than the fp32
+# all-reduce's 2(N-1)/N x 4n once N > 8 for int8. Two hops keep the all-reduce's factor,
+# as a reduce-scatter then an all-gather would (the compressed all-reduce of 1-bit Adam,
+# Tang et al. 2021, and of ZeRO++'s qgZ): the bucket, padded to N shards of s elements
+# (s a multiple of the chunk), is quantized shard by shard; an all-to-all (from the hook)
+# gives rank r every rank's shard r; at the step rank r sums their decoded values in rank
+# order, adds its own second residual, quantizes the sum again and all-gathers it; every
+# rank decodes the N summed shards. Per rank: 2 (N-1) x payload(s) bytes, about
+# 2(N-1)/N x payload(n). The second hop is a synchronous collective at the step (every
+# rank reaches it in bucket order from `prepare_step`); its error feedback is the shard
+# owner's second residual, so the sum over steps is conserved on both hops.
+
+
+class TwoHopBucket:
+    """One bucket exchanged in two quantized hops (Note [two hops])."""
+
+    def __init__(self, policy: GradCompression, numel: int, device: torch.device, group):
+        self.group = group
+        self.world = comm.get_world_size(group)
+        self.numel = numel
+        self.shard = math.ceil(math.ceil(numel / self.world) / policy.chunk) * policy.chunk
+        self.codec = policy.codec(self.shard)
+        feedback = policy.error_feedback
+        self.residual = torch.zeros(numel, dtype=torch.float32, device=device) if feedback else None
+        self.shard_residual = torch.zeros(self.shard, dtype=torch.float32, device=device) if feedback else None
+        self.gathered: torch.Tensor | None = None  # this rank's shard from every rank, once sent
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for t in (self.residual, self.shard_residual) if t is not None]
+
+    def launch(self, grad: torch.Tensor, async_op: bool):
+        x = torch.zeros(self.world * self.shard, dtype=torch.float32, device=grad.device)
+        x[: self.numel] = grad
+        if self.residual is not None:
+            x[: self.numel] += self.residual
+        shards = x.view(self.world, self.shard)
+        payloads = torch.stack([self.codec.encode(part) for part in shards])  # (N, payload)
+        if self.residual is not None:
+            sent = torch.cat([self.codec.decode(p) for p in payloads])[: self.numel]
+            torch.sub(x[: self.numel], sent, out=self.residual)
+            self.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        self.gathered = torch.empty_like(payloads).view(-1)
+        return comm.all_to_all_single(self.gathered, payloads.view(-1), group=self.group, async_op=async_op)
+
+    def sum_into(self, out: torch.Tensor) -> None:
+        size = self.codec.payload_bytes
+        mine = torch.zeros(self.shard, dtype=torch.float32, device=out.device)
+        for payload in self.gathered.view(self.world, size):  # rank order
+            self.codec.add_decoded_(mine, payload)
+        if self.shard_residual is not None:
+            mine += self.shard_residual
+        payload = self.codec.encode(mine)
+        if self.shard_residual is not None:
+            torch.sub(mine, self.codec.decode(payload), out=self.shard_residual)
+            self.shard_residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        summed = torch.empty(self.world * size, dtype=torch.uint8, device=out.device)
+        comm.all_gather_into_tensor(summed, payload, group=self.group)
+        total = torch.cat([self.codec.decode(p) for p in summed.view(self.world, size)])
+        out.copy_(total[: self.numel])
         self.gathered = None

@@ -19,7 +19,12 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.buckets import GradViews, split_by_numel, trainable
-from meshspeed.parallel.data.compress import CompressedBucket, GradCompression
+from meshspeed.parallel.data.compress import (
+    CompressedBucket,
+    GradCompression,
+    TwoHopBucket,
+    compressed_bucket,
+)
 from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
@@ -41,7 +46,7 @@ class _Bucket(GradViews):
         dtype = self.flat.dtype
         self.reduced = None if comm_dtype == dtype else torch.zeros(total, dtype=comm_dtype, device=self.flat.device)
         self.work = None
-        self.compressed: CompressedBucket | None = None  # set when gradients are compressed
+        self.compressed: CompressedBucket | TwoHopBucket | None = None  # set when gradients are compressed
 
 
 class DataParallel:
@@ -78,7 +83,7 @@ class DataParallel:
         for b in self.buckets:
             b.bind()
             if compression is not None:
-                b.compressed = CompressedBucket(compression, b.flat.numel(), b.flat.device, b.group)
+                b.compressed = compressed_bucket(compression, b.flat.numel(), b.flat.device, b.group)
         self.mixed = any(p.dtype != torch.float32 for p in params)
         self.master_of = {
             id(p): (nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) if self.mixed else p)
@@ -248,8 +253,7 @@ class DataParallel:
             "master_params": masters,
             "grads": [b.flat for b in self.buckets],
             "comm_buffers": [b.reduced for b in self.buckets if b.reduced is not None]
-            + [b.compressed.residual for b in self.buckets
-               if b.compressed is not None and b.compressed.residual is not None],
+            + [t for b in self.buckets if b.compressed is not None for t in b.compressed.buffers()],
         }
 
     def host_tensors(self) -> list[torch.Tensor]:
