@@ -10,7 +10,9 @@ it is exchanged, instead of being all-reduced in full precision:
 With `error_feedback` each rank keeps what compression lost and adds it to the next
 step's gradient (Seide et al. 2014, "1-bit SGD"; Lin et al. 2018, "Deep Gradient
 Compression"; Karimireddy et al. 2019, "Error Feedback Fixes SignSGD"). The first
-`warmup_steps` optimizer steps reduce in full precision. docs/compression.md, "Compressed
+`warmup_steps` optimizer steps reduce in full precision. `exchange` "all_gather" sends
+every rank's whole payload to every rank; "two_hop" (int8/int4) keeps the all-reduce's
+2(N-1)/N factor by summing quantized shards in between. docs/compression.md, "Compressed
 gradients in data parallelism", has the bytes per step.
 """
 
