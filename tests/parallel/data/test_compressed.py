@@ -255,3 +255,13 @@ def test_convergence_close_to_uncompressed():
     assert held_out["none"] < 2.5  # it learnt: well below ln 256 and the unigram entropy
     for name, (_, tolerance) in CONVERGENCE.items():
         assert held_out[name] - held_out["none"] < tolerance, (name, held_out)
+
+
+def test_lossless_topk_trains_as_the_all_reduce():
+    """top-k with ratio 1 sends every element: the decoded sum is the all-reduce's sum, so
+    the training matches uncompressed data parallelism (the plumbing: buckets, views,
+    averaging by the data-parallel size)."""
+    plain = run_distributed(_volumes, world_size=WORLD, args=(None, 3000))
+    full = run_distributed(_volumes, world_size=WORLD, args=({"method": "topk", "topk_ratio": 1.0}, 3000))
+    for a, b in zip(plain, full):
+        torch.testing.assert_close(b[2], a[2], rtol=1e-6, atol=1e-7)
