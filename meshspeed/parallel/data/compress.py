@@ -1,9 +1,10 @@
 """Compressed gradient buckets for data parallelism: top-k and INT8/INT4, with error feedback.
 
 A codec turns a flat fp32 bucket of n elements into one uint8 payload of a fixed size
-(`payload_bytes(n)`, the same on every rank), so a bucket is exchanged by ONE all-gather
-of the payloads; every rank then decodes all of them in rank order and sums, so every
-rank reconstructs the same sum (Note [the same sum on every rank]).
+(`payload_bytes`, the same on every rank), so a bucket is exchanged by ONE all-gather
+of the payloads (or in two hops, Note [two hops]); every rank then decodes all of them in
+rank order and sums, so every rank reconstructs the same sum (Note [the same sum on every
+rank]).
 
     topk   k = ceil(ratio * n) entries: k int32 indices then k fp32 values      8k bytes
     int8   ceil(n / c) fp32 scales, then n int8 values                4 ceil(n/c) + n

@@ -7,8 +7,9 @@ accumulation boundary (overlapping the rest of backward when `overlap_comm`). No
 collective runs on the micro-steps in between.
 
 With a `GradCompression` policy (the `gradient_compression` block) a bucket is instead
-compressed, with this rank's error-feedback residual added, and its payload all-gathered
-from the same hook; every rank decodes and sums the payloads at the step (compress.py).
+compressed, with this rank's error-feedback residual added, and its payload sent from the
+same hook (an all-gather, or the all-to-all of Note [two hops]); every rank decodes and
+sums the payloads at the step, identically (compress.py).
 """
 
 from __future__ import annotations
