@@ -12,6 +12,7 @@ from meshspeed.config.checkpoint import CheckpointConfig
 from meshspeed.config.comms import CommDtype, CommsLoggerConfig
 from meshspeed.config.compression import CompressionConfig
 from meshspeed.config.context_parallel import ContextParallelConfig, resolve
+from meshspeed.config.gradient_compression import GradientCompressionConfig
 from meshspeed.config.offload import AioConfig
 from meshspeed.config.optim import OptimizerConfig, SchedulerConfig
 from meshspeed.config.pipeline import PipelineConfig
@@ -74,6 +75,9 @@ class MeshspeedConfig(StrictModel):
     # quantization / pruning / layer reduction: meshspeed.compression.init_compression applies
     # it to the model, the engine steps its schedule (docs/compression.md)
     compression_training: CompressionConfig = Field(default_factory=CompressionConfig)
+    # meshspeed's own key: compress each gradient bucket of data parallelism (stage 0)
+    # before exchanging it, with error feedback (config/gradient_compression.py)
+    gradient_compression: GradientCompressionConfig | None = None
 
     # Set by load_config: which batch keys the user gave (the rest were derived), and
     # the accepted-but-unused DeepSpeed keys that were set aside.
@@ -86,6 +90,26 @@ class MeshspeedConfig(StrictModel):
             raise ValueError(
                 "fp16.enabled and bf16.enabled are both true; enable at most one of them"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _compression_where_it_runs(self):
+        gc = self.gradient_compression
+        if gc is None:
+            return self
+        if self.zero_optimization.stage != 0:
+            raise ValueError(
+                f"gradient_compression: runs with data parallelism (zero_optimization.stage 0) "
+                f"only in this version; stage {self.zero_optimization.stage} reduce-scatters "
+                "uncompressed gradients, so drop gradient_compression or use stage 0")
+        if self.fp16.enabled:
+            raise ValueError(
+                "gradient_compression with fp16: the loss scale changes the gradients' scale "
+                "between steps, which the error-feedback residual would carry over; use bf16 or fp32")
+        if self.communication_data_type is not None:
+            raise ValueError(
+                "gradient_compression and communication_data_type both choose how gradients "
+                "travel; give one")
         return self
 
     @model_validator(mode="after")

@@ -35,6 +35,7 @@ from meshspeed.optim.builder import adopt_client_optimizer, build_optimizer, mas
 from meshspeed.optim.precision import build_scaler
 from meshspeed.parallel import registry
 from meshspeed.parallel.activation_setup import configure_from_config
+from meshspeed.parallel.data.compress import GradCompression
 from meshspeed.parallel.data.ddp import DataParallel
 from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.pipeline.module import PipelineModule
@@ -262,7 +263,8 @@ def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement,
             if is_partitioned(p):
                 gather_partitioned(p)
         return DataParallel(module, group, bucket_numel=z.reduce_bucket_size,
-                            comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm, experts=experts)
+                            comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm, experts=experts,
+                            compression=_grad_compression(cfg))
     return Zero(
         module, UnitGroups(shard=group), stage=cfg.zero_stage, bucket_numel=z.reduce_bucket_size,
         persistence_threshold=z.stage3_param_persistence_threshold,
@@ -270,6 +272,15 @@ def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement,
         max_live_numel=z.stage3_max_live_parameters, comm_dtype=_comm_dtype(cfg),
         placement=placement, experts=experts,
     )
+
+
+def _grad_compression(cfg: MeshspeedConfig) -> GradCompression | None:
+    gc = cfg.gradient_compression  # the config refuses it with ZeRO stages 1-3
+    if gc is None:
+        return None
+    return GradCompression(method=gc.method, ratio=gc.ratio, chunk=gc.chunk,
+                           error_feedback=gc.error_feedback, warmup_steps=gc.warmup_steps,
+                           two_hop=gc.exchange == "two_hop")
 
 
 def _build_optimizer(cfg, client, model_parameters, module, strategy, placement):

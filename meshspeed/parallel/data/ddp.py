@@ -5,6 +5,11 @@ is a view into its bucket, so autograd accumulates micro-steps in place and a bu
 all-reduced, as one collective, from the gradient hook of its last parameter at the
 accumulation boundary (overlapping the rest of backward when `overlap_comm`). No
 collective runs on the micro-steps in between.
+
+With a `GradCompression` policy (the `gradient_compression` block) a bucket is instead
+compressed, with this rank's error-feedback residual added, and its payload sent from the
+same hook (an all-gather, or the all-to-all of Note [two hops]); every rank decodes and
+sums the payloads at the step, identically (compress.py).
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.buckets import GradViews, split_by_numel, trainable
+from meshspeed.parallel.data.compress import (
+    CompressedBucket,
+    GradCompression,
+    TwoHopBucket,
+    compressed_bucket,
+)
 from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
@@ -36,6 +47,7 @@ class _Bucket(GradViews):
         dtype = self.flat.dtype
         self.reduced = None if comm_dtype == dtype else torch.zeros(total, dtype=comm_dtype, device=self.flat.device)
         self.work = None
+        self.compressed: CompressedBucket | TwoHopBucket | None = None  # set when gradients are compressed
 
 
 class DataParallel:
@@ -50,6 +62,7 @@ class DataParallel:
         comm_dtype: torch.dtype = torch.float32,
         overlap_comm: bool = True,
         experts: ExpertSpec | None = None,
+        compression: GradCompression | None = None,
     ):
         self.module = module
         self.group = group
@@ -66,8 +79,12 @@ class DataParallel:
         if expert:
             self.buckets += [_Bucket(ps, comm_dtype, experts.group)
                              for ps in split_by_numel(expert, bucket_numel)]
+        self.compression = compression
+        self._steps = 0  # optimizer steps finished (compression starts after its warm-up)
         for b in self.buckets:
             b.bind()
+            if compression is not None:
+                b.compressed = compressed_bucket(compression, b.flat.numel(), b.flat.device, b.group)
         self.mixed = any(p.dtype != torch.float32 for p in params)
         self.master_of = {
             id(p): (nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) if self.mixed else p)
@@ -106,6 +123,10 @@ class DataParallel:
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         bucket.collect()
+        if bucket.compressed is not None and self._steps >= self.compression.warmup_steps:
+            bucket.work = bucket.compressed.launch(bucket.flat, async_op=self.overlap)
+            self._launched = True
+            return
         buf = bucket.flat if bucket.reduced is None else bucket.reduced.copy_(bucket.flat)
         bucket.work = comm.all_reduce(buf, group=bucket.group, async_op=self.overlap)
         self._launched = True
@@ -122,6 +143,8 @@ class DataParallel:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
+            if bucket.compressed is not None and bucket.compressed.gathered is not None:
+                bucket.compressed.sum_into(self._reduced(bucket))
             self._reduced(bucket).div_(self.world)  # dp, for experts too (Note in layer.py)
         self._averaged = True
 
@@ -178,6 +201,7 @@ class DataParallel:
         for b in self.buckets:
             b.bind()
         self._launched = self._averaged = False
+        self._steps += 1
 
     # -- user access (meshspeed/parallel/access.py) -------------------------------------------
     def param_access(self, param: nn.Parameter) -> ParamAccess:
@@ -229,7 +253,8 @@ class DataParallel:
             "params": list(self.params),
             "master_params": masters,
             "grads": [b.flat for b in self.buckets],
-            "comm_buffers": [b.reduced for b in self.buckets if b.reduced is not None],
+            "comm_buffers": [b.reduced for b in self.buckets if b.reduced is not None]
+            + [t for b in self.buckets if b.compressed is not None for t in b.compressed.buffers()],
         }
 
     def host_tensors(self) -> list[torch.Tensor]:
