@@ -149,6 +149,11 @@ def _working_and_exact():
     masters = [safe_get_full_fp32_param(p).to(torch.bfloat16).float() for p in block.parameters()]
     with meshspeed.zero.GatheredParameters(list(block.parameters())):
         exact = [p.detach().float().clone() for p in block.parameters()]
+    unit = engine.strategy.unit_of[id(next(block.parameters()))]
+    unit.gather_async()  # a quantized prefetch in flight when the user asks: gathered again, exact
+    with meshspeed.zero.GatheredParameters(list(block.parameters())):
+        again = [p.detach().float().clone() for p in block.parameters()]
+    assert all(torch.equal(a, e) for a, e in zip(again, exact))
     return seen[0], exact, masters
 
 
