@@ -217,3 +217,22 @@ def test_training_follows_plain_stage_3():
     assert abs(quant[0] - plain[0]) < 0.01 * plain[0]  # the first forward: quantized weights only
     assert abs(quant_held - plain_held) < 0.01 * plain_held, (plain_held, quant_held)
     assert quant_held < 0.5 * quant[0] and plain_held < 0.5 * plain[0]
+
+
+def test_with_param_offload_trains_bit_for_bit_as_without(tmp_path):
+    """The shard a gather encodes may come from host memory or from a swap file, read in
+    pieces into the unit's own range (Note [shards larger than a staging buffer]): the same
+    values, so the same payloads and the same run."""
+    from tests.offload.workers import exact_adamw, offload, runs_and_cleanup, setup
+
+    qwz = {"zero_quantized_weights": True}
+    cpu = {**qwz, "offload_param": {"device": "cpu"}, **offload("cpu")}
+    nvme = {**qwz, **offload("cpu"), "offload_param": {"device": "nvme", "nvme_path": str(tmp_path),
+                                                       "buffer_count": 2, "buffer_size": 1024}}
+    setups = [setup(3, zero, precision="bf16", extra_config=exact_adamw()) for zero in ({}, qwz, cpu, nvme)]
+    plain, base, on_cpu, on_nvme = run_distributed(runs_and_cleanup, world_size=2, args=(setups,), timeout=300)[0]
+    assert base[0] != plain[0]  # qwZ is on (the losses differ from plain stage 3's)
+    for got in (on_cpu, on_nvme):
+        assert got[0] == base[0]
+        for name in base[1]:
+            assert torch.equal(got[1][name], base[1][name]), name
