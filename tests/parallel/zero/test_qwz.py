@@ -116,11 +116,11 @@ def _gather_bytes(qwz, precision):
     return calls.gathers, counter.summary()["all_gather"]
 
 
-@pytest.mark.parametrize("precision, elt, ratio", [("bf16", 2, 0.5), ("fp32", 4, 0.25)])
-def test_each_gather_moves_int8_values_and_fp32_scales(precision, elt, ratio):
+@pytest.mark.parametrize("n, precision, elt, ratio", [(2, "bf16", 2, 0.5), (2, "fp32", 4, 0.25),
+                                                     (4, "bf16", 2, 0.5)])
+def test_each_gather_moves_int8_values_and_fp32_scales(n, precision, elt, ratio):
     """One all-gather per unit use, as without qwZ (values and scales in one payload), each
     moving (N-1)(S + 4 ceil(S/B)) bytes instead of (N-1) S e."""
-    n = 2
     plain, plain_sum = run_distributed(_gather_bytes, world_size=n, args=(False, precision))[0]
     quant, quant_sum = run_distributed(_gather_bytes, world_size=n, args=(True, precision))[0]
     assert len(quant) == len(plain) == plain_sum["calls"] == quant_sum["calls"] > 0
