@@ -5,7 +5,7 @@ behind yet. Going on without the feature is only honest when the user loses noth
 a report or a tuning knob, so each key is judged by its value:
 
 * a value that asks for a parallelism or for different numerics (ZeRO++ quantized
-  weights, `amp`, ...) is a
+  gradients, `amp`, ...) is a
   ConfigError: training on would silently be plain data parallelism, or other numbers;
 * a monitor or logger that is switched on (`tensorboard`, `wandb`, `flops_profiler`, ...)
   is one warning on rank 0 saying it is not there;
@@ -65,8 +65,8 @@ ASKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bf16.bf16_master_weights_and_grads": (_truthy, "bf16 master weights and gradients"),
     "bf16.bf16_optimizer_states": (_truthy, "bf16 optimizer states"),
     "zero_optimization.zero_hpz_partition_size": (_above(1), "ZeRO++ hierarchical partitioning"),
-    "zero_optimization.zero_quantized_weights": (_truthy, "ZeRO++ quantized weights"),
-    "zero_optimization.zero_quantized_nontrainable_weights": (_truthy, "ZeRO++ quantized weights"),
+    "zero_optimization.zero_quantized_nontrainable_weights": (
+        _truthy, "ZeRO++ non-trainable weights stored quantized"),
     "zero_optimization.zero_quantized_gradients": (_truthy, "ZeRO++ quantized gradients"),
     "zero_optimization.zeropp_loco_param": (_truthy, "ZeRO++ LoCo gradient compression"),
     "zero_optimization.mics_shard_size": (_above(0), "MiCS sharding"),

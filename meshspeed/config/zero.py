@@ -52,6 +52,9 @@ class ZeroConfig(StrictModel):
     stage3_max_live_parameters: NonNegInt = 1_000_000_000  # gathered elements kept resident
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000  # keep if reused within this many
     stage3_gather_16bit_weights_on_model_save: bool = False  # consolidate on save_16bit_model
+    # ZeRO++ qwZ (arXiv:2306.10209): stage-3 parameter all-gathers carry block-quantized
+    # INT8 weights and fp32 scales instead of the 16/32-bit shards (parallel/zero/qwz.py)
+    zero_quantized_weights: bool = False
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
 
@@ -76,3 +79,11 @@ class ZeroConfig(StrictModel):
             if flag and data.get(new) is None:
                 data[new] = {"device": "cpu"}
         return data
+
+    @model_validator(mode="after")
+    def _quantized_weights_need_stage3(self):
+        if self.zero_quantized_weights and self.stage != 3:
+            raise ValueError(
+                f"zero_quantized_weights quantizes the parameter all-gathers of stage 3, and stage "
+                f"{self.stage} gathers no parameters around their use; set stage 3 or drop the key")
+        return self

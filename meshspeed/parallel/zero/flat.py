@@ -48,6 +48,7 @@ from meshspeed.parallel.buckets import GradViews
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import full_shape, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState, Span
+from meshspeed.parallel.zero.qwz import BlockQuantizer
 from meshspeed.parallel.zero.staging import StagingPool
 
 
@@ -98,11 +99,13 @@ class FlatUnit:
     `masters[i]` is the fp32 tensor the optimizer steps on for `params[i]` (`spans[i]` of
     it): a view of the rank's own range (fp32 training, nothing duplicated) or of a
     separate fp32 `master_buffer` (bf16/fp16 training, or placed elsewhere by offload).
-    `grad_shard` is the reduced gradient of the rank's range, in the parameters' dtype."""
+    `grad_shard` is the reduced gradient of the rank's range, in the parameters' dtype.
+    `weight_block`: stage 3 gathers for training move INT8 weights with one fp32 scale per
+    this many elements (ZeRO++ qwZ, qwz.py); gathers for the user stay exact."""
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], groups: UnitGroups, *,
                  shard_params: bool, keep_full_grads: bool, pool: StagingPool,
-                 comm_dtype: torch.dtype = torch.float32):
+                 comm_dtype: torch.dtype = torch.float32, weight_block: int | None = None):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -160,6 +163,10 @@ class FlatUnit:
         self.state = ParamState.WHOLE
         self.in_use = 0  # forwards of the unit's module running now (stage-3 hooks count them)
         self._pending = None  # the work handle of an in-flight all-gather
+        # qwZ: every rank's encoded shard, arriving (the all-gather's output until `gather`)
+        self.quantizer = BlockQuantizer(self.shard_numel, weight_block) \
+            if shard_params and weight_block is not None else None
+        self._payloads: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None  # full gradients being collected
         self._arrived = [False] * len(self.params)
         self._reducing = False
@@ -190,22 +197,29 @@ class FlatUnit:
             self.master_buffer.copy_(self.shard)
 
     # -- stage 3 lifecycle -----------------------------------------------------------------
-    def gather(self) -> None:
-        """Materialise the full parameters from every rank's shard."""
+    def gather(self, exact: bool = False) -> None:
+        """Materialise the full parameters from every rank's shard. `exact`: the shards'
+        own values even under qwZ (a user's GatheredParameters, as in DeepSpeed); a
+        quantized prefetch already in flight is then dropped and gathered again."""
         if self.state is ParamState.WHOLE:
             raise LifecycleError(f"unit {self.name}: gathered twice (it is already whole)")
+        if self.state is ParamState.GATHERING and exact and self._payloads is not None:
+            self._land()
+            self.state = ParamState.SHARDED
         if self.state is ParamState.SHARDED:
-            self.gather_async()
-        self._pending.wait()
-        self._pending = None
-        if self.shard_store is not None:
-            self.shard_store.done(self)
+            self.gather_async(exact=exact)
+        payloads = self._payloads
+        self._land()
+        if payloads is not None:
+            self.quantizer.decode_gathered(self.flat, payloads)
         for p, view in zip(self.params, self.views):
             p.data = view
         self.state = ParamState.WHOLE
 
-    def gather_async(self) -> None:
-        """Launch the all-gather (prefetch); `gather()` waits for it and exposes the views."""
+    def gather_async(self, exact: bool = False) -> None:
+        """Launch the all-gather (prefetch); `gather()` waits for it and exposes the views.
+        Under qwZ (unless `exact`) it gathers every rank's encoded shard, one uint8
+        payload each, which `gather()` decodes into the flat buffer."""
         if self.state is not ParamState.SHARDED:
             raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
         self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
@@ -214,9 +228,23 @@ class FlatUnit:
         else:  # a store may read the shard into our own range (then the gather is in place)
             lo = self.rank * self.shard_numel
             shard = self.shard_store.fetch(self, into=self.flat[lo : lo + self.shard_numel])
-        self._pending = comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard,
-                                                    async_op=True)
+        if self.quantizer is None or exact:
+            self._pending = comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard,
+                                                        async_op=True)
+        else:
+            payload = self.quantizer.encode(shard)
+            self._payloads = payload.new_empty(self.world * payload.numel())
+            self._pending = comm.all_gather_into_tensor(self._payloads, payload, group=self.groups.shard,
+                                                        async_op=True)
         self.state = ParamState.GATHERING
+
+    def _land(self) -> None:
+        """Wait for the all-gather in flight; the shard (and any payloads) are free again."""
+        self._pending.wait()
+        self._pending = None
+        self._payloads = None
+        if self.shard_store is not None:
+            self.shard_store.done(self)
 
     def release(self, for_user: bool = False) -> None:
         """Drop the full parameters, keeping only this rank's shard.
@@ -233,10 +261,7 @@ class FlatUnit:
         if self.in_use:
             raise LifecycleError(f"unit {self.name}: released while its module's forward is running")
         if self.state is ParamState.GATHERING:  # prefetched but not used: let it land first
-            self._pending.wait()
-            self._pending = None
-            if self.shard_store is not None:
-                self.shard_store.done(self)
+            self._land()
         if for_user:
             self._new_flat()
         self._drop_full()
@@ -261,6 +286,10 @@ class FlatUnit:
 
     def gathered_tensors(self) -> list[torch.Tensor]:
         return [self.flat] if self.shard_params and self.state is not ParamState.SHARDED else []
+
+    def comm_tensors(self) -> list[torch.Tensor]:
+        """qwZ payloads of an all-gather in flight."""
+        return [] if self._payloads is None else [self._payloads]
 
     # -- gradients --------------------------------------------------------------------------
     def receive_grad(self, i: int) -> None:

@@ -70,9 +70,16 @@ class Zero:
         comm_dtype: torch.dtype = torch.float32,
         placement=None,
         experts: ExpertSpec | None = None,
+        weight_block: int | None = None,
     ):
+        """`weight_block`: ZeRO++ qwZ, stage 3 only: the parameter all-gathers of forward
+        and backward move INT8 weights with one fp32 scale per this many elements (qwz.py);
+        None gathers the shards as they are."""
         if stage not in (1, 2, 3):
             raise ValueError(f"Zero handles stages 1-3, got {stage}")
+        if weight_block is not None and not STAGES[stage].shard_params:
+            raise ValueError(f"quantized weight gathers (qwZ) need stage 3; stage {stage} gathers no parameters")
+        self.weight_block = weight_block
         self.stage = stage
         self.spec = STAGES[stage]
         self.module = module
@@ -131,7 +138,8 @@ class Zero:
     def _make_unit(self, plan, comm_dtype) -> FlatUnit:
         groups = self._groups_of(plan.params[0][1])  # a unit is all expert or all dense
         unit = FlatUnit(plan.name, plan.params, groups, shard_params=plan.shard_params,
-                        keep_full_grads=not self.spec.shard_grads, pool=self.pool, comm_dtype=comm_dtype)
+                        keep_full_grads=not self.spec.shard_grads, pool=self.pool, comm_dtype=comm_dtype,
+                        weight_block=self.weight_block)
         if not plan.shard_params:
             unit.broadcast_from(0)  # every replica starts from the first rank's values
         return unit
@@ -308,7 +316,7 @@ class Zero:
         gathered = []
         for unit in self._units_of(params):
             if unit.shard_params and unit.state is not ParamState.WHOLE:
-                unit.gather()
+                unit.gather(exact=True)  # the user sees the shards' values, never qwZ's
                 gathered.append(unit)
         return gathered
 
@@ -373,7 +381,7 @@ class Zero:
             # fp32 training: masters alias the params (or the stage-3 shard), nothing extra
             "master_params": [u.master_buffer for u in self.units if u.master_buffer is not None],
             "grads": [t for u in self.units for t in u.grad_tensors()] + self.placement.extra_grads(),
-            "comm_buffers": self.pool.tensors(),
+            "comm_buffers": self.pool.tensors() + [t for u in self.units for t in u.comm_tensors()],
         }
 
     def host_tensors(self) -> list[torch.Tensor]:
