@@ -5,9 +5,17 @@ is a view into its bucket, so autograd accumulates micro-steps in place and a bu
 all-reduced, as one collective, from the gradient hook of its last parameter at the
 accumulation boundary (overlapping the rest of backward when `overlap_comm`). No
 collective runs on the micro-steps in between.
+
+Note [gradients left local]
+An optimizer that communicates by itself (1-bit Adam after its warm-up, optim/onebit.py)
+sets `local_gradients` to a predicate; while it answers True, buckets are not reduced
+and `.grad` holds this rank's own (accumulated) gradient. It is asked when the boundary
+reduction would start, so its answer may change from one step to the next.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -76,6 +84,8 @@ class DataParallel:
         self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._launched = False  # this step's reductions were started
         self._averaged = False  # ... and have landed and been averaged
+        self.local_gradients: Callable[[], bool] | None = None  # Note [gradients left local]
+        self._local = False  # this step's gradients were left local
         self.tracker = ReadinessTracker([b.params for b in self.buckets], weak_method(self._launch))
         self._sync_params()
         registry.register(params, self)
@@ -107,8 +117,12 @@ class DataParallel:
         bucket = self.buckets[index]
         bucket.collect()
         buf = bucket.flat if bucket.reduced is None else bucket.reduced.copy_(bucket.flat)
-        bucket.work = comm.all_reduce(buf, group=bucket.group, async_op=self.overlap)
+        if not self._launched:
+            self._local = self.local_gradients is not None and self.local_gradients()
         self._launched = True
+        if self._local:
+            return  # Note [gradients left local]
+        bucket.work = comm.all_reduce(buf, group=bucket.group, async_op=self.overlap)
 
     def finish_backward(self) -> None:
         self.tracker.flush()
@@ -122,7 +136,8 @@ class DataParallel:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            self._reduced(bucket).div_(self.world)  # dp, for experts too (Note in layer.py)
+            if not self._local:
+                self._reduced(bucket).div_(self.world)  # dp, for experts too (Note in layer.py)
         self._averaged = True
 
     @staticmethod
@@ -177,7 +192,7 @@ class DataParallel:
                 self.master_of[id(p)].grad = None
         for b in self.buckets:
             b.bind()
-        self._launched = self._averaged = False
+        self._launched = self._averaged = self._local = False
 
     # -- user access (meshspeed/parallel/access.py) -------------------------------------------
     def param_access(self, param: nn.Parameter) -> ParamAccess:

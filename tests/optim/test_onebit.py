@@ -1,0 +1,150 @@
+"""1-bit Adam (`"type": "OneBitAdam"`) through `meshspeed.initialize`, 2 and 4 gloo ranks.
+
+* warm-up (steps <= freeze_step): the engine's fp32 gradient all-reduce and Adam, equal to
+  one process on the concatenated batch (losses and parameters at 1e-5);
+* after freeze_step: no gradient all-reduce; per step the bytes of the compressed momentum
+  all-reduce (Note [compressed all-reduce bytes]), ~1/32 of the fp32 all-reduce; every rank
+  holds the same parameters;
+* refusals: ZeRO > 0, bf16, unknown params; ZeroOneAdam / OneBitLamb not built yet.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from meshspeed import comm
+from meshspeed.comm.compressed import compressed_allreduce_bytes
+from meshspeed.config import ConfigError
+from meshspeed.optim.onebit import OneBitAdam
+from meshspeed.testing import run_distributed
+from meshspeed.testing.parity import (
+    ParitySetup,
+    assert_close_parity,
+    build_model,
+    engine_run,
+    full_state_dict,
+    make_batches,
+    model_loss,
+)
+
+
+def _setup(world: int, freeze_step: int, steps: int, **params) -> ParitySetup:
+    # eps 1e-6: see ParitySetup.optimizer_block (sign noise of rounding-level gradients)
+    block = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": freeze_step, "eps": 1e-6,
+                                              "weight_decay": 0.1, **params}}
+    return ParitySetup(world=world, steps=steps, clip=0.0, extra_config={"optimizer": block})
+
+
+def _reference(setup: ParitySetup):
+    """One process (world 1: no compression) on the whole global batch of each step."""
+    model = build_model(setup)
+    opt = OneBitAdam(model.parameters(), **{k: v for k, v in setup.extra_config["optimizer"]["params"].items()})
+    losses = []
+    for batch in make_batches(setup):
+        loss = model_loss(setup, model, batch.reshape(-1, setup.seq + 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_warm_up_is_adam_over_the_fp32_all_reduce(world):
+    setup = _setup(world, freeze_step=100, steps=6)
+    got = run_distributed(engine_run, world, args=(setup,))
+    assert_close_parity(_reference(setup), got[0])
+
+
+def _compressed_run(setup: ParitySetup):
+    import meshspeed
+
+    model = build_model(setup)
+    engine, opt, *_ = meshspeed.initialize(model=model, config=copy.deepcopy(setup.ds_config()))
+    rank = comm.get_rank()
+    rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
+    per_step, losses = [], []
+    for batch in make_batches(setup):
+        with comm.CommCounter() as counter:
+            loss = model_loss(setup, engine, batch[0][rows])
+            engine.backward(loss)
+            engine.step()
+        per_step.append({op: s["bytes"] for op, s in counter.summary().items()})
+        losses.append(loss.item())
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return per_step, losses, full_state_dict(engine), numel, opt.steps_taken()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_after_freeze_step_the_momentum_moves_in_one_bit(world):
+    freeze, steps = 3, 7
+    results = run_distributed(_compressed_run, world, args=(_setup(world, freeze, steps),))
+    per_step, losses, state0, numel, taken = results[0]
+    assert taken == steps
+    fp32 = comm.ring_bytes("all_reduce", 4 * numel, world)
+    onebit = compressed_allreduce_bytes(numel, world)
+    # the engine's step agreement (a few counters, Note [agreement before each step]) is
+    # the only all-reduce left after freeze_step
+    agreement = per_step[-1]["all_reduce"]
+    assert agreement < 200
+    for step, moved in enumerate(per_step, start=1):
+        if step <= freeze:  # warm-up: the gradient all-reduce, nothing compressed
+            assert moved["all_reduce"] - agreement == fp32
+            assert moved["all_to_all"] == moved["all_gather"] == 0
+        else:  # compressed: no gradient all-reduce; signs + scales, both stages
+            assert moved["all_reduce"] == agreement
+            assert moved["all_to_all"] + moved["all_gather"] == onebit
+            assert 1 / 33 < onebit / fp32 < 1 / 31
+    for _, other_losses, state, _, _ in results[1:]:  # the same parameters on every rank
+        assert other_losses != losses or world == 1  # ranks saw different data ...
+        for name, tensor in state.items():
+            assert torch.equal(tensor, state0[name]), name  # ... and hold the same weights
+    assert all(torch.isfinite(t).all() for t in state0.values())
+
+
+def _build(config: dict) -> str | None:
+    """The ConfigError initialize raises (caught here: a failing rank restarts the pool)."""
+    import meshspeed
+
+    try:
+        meshspeed.initialize(model=build_model(ParitySetup(world=2)), config=config)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def _refusal(overrides: dict) -> str:
+    setup = _setup(2, freeze_step=2, steps=1)
+    messages = run_distributed(_build, 2, args=({**setup.ds_config(), **overrides},))
+    assert messages[0] is not None, f"{overrides} was accepted"
+    return messages[0]
+
+
+def test_refuses_what_is_not_built():
+    assert "OneBitAdam needs ZeRO stage 0 (got stage 1)" in _refusal(
+        {"zero_optimization": {"stage": 1}})
+    assert "OneBitAdam runs in fp32 only" in _refusal({"bf16": {"enabled": True}})
+
+
+def test_params_are_deepspeeds():
+    from meshspeed.optim.builder import build_optimizer
+
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))]}]
+    opt = build_optimizer("OneBitAdam", {"lr": 1e-3, "freeze_step": 10, "cuda_aware": False,
+                                         "comm_backend_name": "nccl", "betas": [0.9, 0.99]}, groups)
+    assert isinstance(opt, OneBitAdam) and opt.freeze_step == 10
+    with pytest.raises(ValueError, match="did you mean 'freeze_step'"):
+        build_optimizer("OneBitAdam", {"freeze_steps": 10}, groups)
+    with pytest.raises(ValueError, match="comm_backend_name"):
+        build_optimizer("OneBitAdam", {"comm_backend_name": "gloo-ish"}, groups)
+    with pytest.raises(ValueError, match="freeze_step"):
+        build_optimizer("OneBitAdam", {"freeze_step": -1}, groups)
+
+
+def test_not_built_yet_names_onebit_adam():
+    from meshspeed.config import load_config
+
+    for name in ("ZeroOneAdam", "OneBitLamb"):
+        with pytest.raises(ConfigError, match=f"{name} .* is not built yet in meshspeed; OneBitAdam is"):
+            load_config({"optimizer": {"type": name}})
