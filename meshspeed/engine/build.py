@@ -314,7 +314,7 @@ def _wire_onebit(opt, strategy, cfg: MeshspeedConfig, topology, pipelined: bool)
         problems.append("communication_data_type: OneBitAdam compresses to 1 bit itself; drop communication_data_type")
     if problems:
         raise ConfigError(problems)
-    strategy.local_gradients = opt.compressing  # Note [gradients left local] in parallel/data/ddp.py
+    strategy.local_gradients = opt.gradients_local  # Note [gradients left local] in parallel/data/ddp.py
 
 
 def _build_scheduler(cfg, client, optimizer):

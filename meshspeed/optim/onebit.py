@@ -5,7 +5,7 @@ Warm-up, steps 1..freeze_step: the engine all-reduces the gradients in fp32 as f
 optimizer, and this is Adam: m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2.
 Compressed, every later step: v is frozen (the paper's observation: after warm-up Adam's
 variance changes slowly, so it can act as a fixed preconditioner), the engine leaves the
-gradients local (`compressing()` tells the strategy, Note [gradients left local] in
+gradients local (`gradients_local()` tells the strategy, Note [gradients left local] in
 parallel/data/ddp.py), each rank folds its own gradient into its momentum, and the momenta
 are averaged by `meshspeed.comm.compressed.CompressedAllReduce`: error-compensated signs,
 1 bit per element plus scales, two stages. Every rank ends with the same momentum, so
@@ -14,6 +14,16 @@ The update in both phases is DeepSpeed's (OnebitAdam in 0.x): p -= lr * (m / (sq
 + weight_decay * p); there is no bias correction (DeepSpeed accepts `bias_correction`
 and ignores it, so do we), and weight decay is decoupled, added to the update.
 A single rank has no one to talk to: momentum is then used as is (DeepSpeed too).
+Where meshspeed differs from DeepSpeed 0.x, on purpose:
+* DeepSpeed's first `step()` is an initialisation call that counts a step but leaves the
+  parameters unchanged (the first gradient is dropped); here the first step is Adam's.
+* DeepSpeed compresses each parameter's momentum in its own call (4 collectives per
+  tensor); here one call takes all of them, 4 collectives per step, with the same
+  arithmetic: each tensor padded alone, its own worker and server scales
+  (Note [layout of the compressed buffer] in comm/compressed.py).
+* `exp_avg_mask` (a group option DeepSpeed's BERT example sets) is not supported.
+Gradient clipping after freeze_step clips each rank's local gradient (no collective), as
+DeepSpeed's engine does when its backward all-reduce is off.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import torch
 from meshspeed import comm
 from meshspeed.comm.compressed import CompressedAllReduce
 
-__all__ = ["COMM_BACKENDS", "OneBitAdam"]
+__all__ = ["COMM_BACKENDS", "CompressedOptimizer", "OneBitAdam"]
 
 log = logging.getLogger("meshspeed")
 
@@ -35,7 +45,67 @@ log = logging.getLogger("meshspeed")
 COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 
 
-class OneBitAdam(torch.optim.Optimizer):
+def whole_number(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"optimizer.params.{name}: expected a whole number >= 0, got {value!r}")
+    return value
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """What 1-bit Adam and 0/1 Adam share: DeepSpeed's transport params (accepted, logged),
+    the data-parallel `group`, flat compressed all-reduces with their error buffers, and
+    `gradients_local()`, which the stage-0 strategy asks before each boundary reduction."""
+
+    def __init__(self, params, defaults: dict, *, cuda_aware: bool, comm_backend_name: str, group: Any):
+        if comm_backend_name not in COMM_BACKENDS:
+            raise ValueError(f"optimizer.params.comm_backend_name: {comm_backend_name!r} is not one "
+                             f"of DeepSpeed's {list(COMM_BACKENDS)}")
+        if comm.is_initialized() and comm.get_rank() == 0 and (cuda_aware or comm_backend_name != "nccl"):
+            log.info("%s: cuda_aware=%s, comm_backend_name=%r have no effect; the compressed "
+                     "all-reduce runs over the data-parallel group's backend", type(self).__name__,
+                     cuda_aware, comm_backend_name)
+        super().__init__(params, defaults)
+        self.group = group
+        self.world = comm.get_world_size(group) if comm.is_initialized() else 1
+        self._allreduce: CompressedAllReduce | None = None  # built on the first compressed call
+
+    def steps_taken(self) -> int:
+        """Optimizer steps applied so far (kept per parameter in `state`, so checkpoints carry it)."""
+        for state in self.state.values():
+            return int(state["step"])
+        return 0
+
+    def gradients_local(self) -> bool:
+        """Whether the coming step wants this rank's own gradients (no fp32 all-reduce)."""
+        raise NotImplementedError
+
+    def _check(self, p: torch.Tensor) -> None:
+        if p.grad.is_sparse or p.dtype != torch.float32:
+            raise TypeError(f"{type(self).__name__} steps on dense fp32 tensors only "
+                            f"(got {p.dtype}{', sparse' if p.grad.is_sparse else ''})")
+
+    def _average_compressed(self, tensors: list[torch.Tensor]) -> None:
+        """Replace `tensors` by their 1-bit average over the group (one scale per tensor)."""
+        sizes = [t.numel() for t in tensors]
+        if self._allreduce is None:
+            self._allreduce = CompressedAllReduce(sizes, self.group, tensors[0].device)
+        elif self._allreduce.sizes != sizes:
+            raise RuntimeError(f"{type(self).__name__}: the set of parameters with gradients changed; "
+                               "the error-feedback buffers no longer line up")
+        self._allreduce(tensors)
+
+    def _reset_errors(self) -> None:
+        if self._allreduce is not None:
+            self._allreduce.reset()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load moments and step counts; the compression errors restart from zero (they
+        differ per rank and are not saved, as in DeepSpeed)."""
+        super().load_state_dict(state_dict)
+        self._reset_errors()
+
+
+class OneBitAdam(CompressedOptimizer):
     """DeepSpeed's `OnebitAdam` params over meshspeed's compressed all-reduce on `group`.
 
     `freeze_step`: the number of warm-up steps with full-precision gradients (DeepSpeed's
@@ -46,29 +116,12 @@ class OneBitAdam(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, bias_correction: bool = True, cuda_aware: bool = False,
                  comm_backend_name: str = "nccl", group: Any = None):
-        if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 0:
-            raise ValueError(f"optimizer.params.freeze_step: expected a whole number >= 0, got {freeze_step!r}")
-        if comm_backend_name not in COMM_BACKENDS:
-            raise ValueError(f"optimizer.params.comm_backend_name: {comm_backend_name!r} is not one "
-                             f"of DeepSpeed's {list(COMM_BACKENDS)}")
-        if comm.is_initialized() and comm.get_rank() == 0 and (cuda_aware or comm_backend_name != "nccl"):
-            log.info("OneBitAdam: cuda_aware=%s, comm_backend_name=%r have no effect; the compressed "
-                     "all-reduce runs over the data-parallel group's backend", cuda_aware, comm_backend_name)
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.freeze_step = freeze_step
-        self.group = group
-        self.world = comm.get_world_size(group) if comm.is_initialized() else 1
-        self._allreduce: CompressedAllReduce | None = None  # built on the first compressed step
+        self.freeze_step = whole_number("freeze_step", freeze_step)
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay},
+                         cuda_aware=cuda_aware, comm_backend_name=comm_backend_name, group=group)
 
-    # -- phases ------------------------------------------------------------------------------
-    def steps_taken(self) -> int:
-        """Optimizer steps applied so far (kept per parameter in `state`, so checkpoints carry it)."""
-        for state in self.state.values():
-            return int(state["step"])
-        return 0
-
-    def compressing(self) -> bool:
-        """Whether the coming step is a compressed one: its gradients must stay local."""
+    def gradients_local(self) -> bool:
+        """After freeze_step, every step: the momentum is what is communicated."""
         return self.steps_taken() >= self.freeze_step
 
     # -- the step ----------------------------------------------------------------------------
@@ -78,16 +131,14 @@ class OneBitAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        compressed = self.compressing()
+        compressed = self.gradients_local()
         live = []  # (param, state, group) of the parameters with a gradient this step
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse or p.dtype != torch.float32:
-                    raise TypeError("OneBitAdam steps on dense fp32 tensors only "
-                                    f"(got {p.dtype}{', sparse' if p.grad.is_sparse else ''})")
+                self._check(p)
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
@@ -99,30 +150,10 @@ class OneBitAdam(torch.optim.Optimizer):
                     state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 live.append((p, state, group))
         if compressed and self.world > 1 and live:
-            self._average_momentum([state["exp_avg"] for _, state, _ in live])
+            self._average_compressed([state["exp_avg"] for _, state, _ in live])
         for p, state, group in live:
             update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
             if group["weight_decay"] > 0:
                 update.add_(p, alpha=group["weight_decay"])
             p.add_(update, alpha=-group["lr"])
         return loss
-
-    def _average_momentum(self, momenta: list[torch.Tensor]) -> None:
-        flat = torch.cat([m.reshape(-1) for m in momenta])
-        if self._allreduce is None or self._allreduce.numel != flat.numel():
-            if self._allreduce is not None:
-                raise RuntimeError("OneBitAdam: the set of parameters with gradients changed after "
-                                   "freeze_step; the error-feedback buffers no longer line up")
-            self._allreduce = CompressedAllReduce(flat.numel(), self.group, flat.device)
-        self._allreduce(flat)
-        offset = 0
-        for m in momenta:
-            m.copy_(flat[offset: offset + m.numel()].view_as(m))
-            offset += m.numel()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load moments and step counts; the compression errors restart from zero
-        (they are not saved, as in DeepSpeed)."""
-        super().load_state_dict(state_dict)
-        if self._allreduce is not None:
-            self._allreduce.reset()

@@ -10,6 +10,7 @@ from meshspeed import comm
 from meshspeed.comm.compressed import (
     CompressedAllReduce,
     compress_,
+    compress_segments_,
     compressed_allreduce_bytes,
     pack_signs,
     padded_numel,
@@ -39,6 +40,19 @@ def test_scale_is_the_rms_and_the_error_is_what_was_missed():
     torch.testing.assert_close(decoded + error, x)
 
 
+def test_one_scale_per_tensor():
+    """Segments of columns (tensors side by side, Note [layout of the compressed buffer])
+    each get the rms of their own elements, so a small tensor keeps its magnitude."""
+    x = torch.cat([torch.randn(2, 8) * 100, torch.randn(2, 16) * 0.01], dim=1)
+    segment_of = torch.tensor([0] * 8 + [1] * 16)
+    error = torch.zeros_like(x)
+    packed, scales = compress_segments_(x.clone(), error, segment_of, torch.tensor([16.0, 32.0]))
+    assert scales[0] == pytest.approx(x[:, :8].pow(2).mean().sqrt().item(), rel=1e-5)
+    assert scales[1] == pytest.approx(x[:, 8:].pow(2).mean().sqrt().item(), rel=1e-5)
+    decoded = unpack_signs(packed).view(2, 24) * scales[segment_of]
+    torch.testing.assert_close(decoded + error, x)
+
+
 def test_error_feedback_loses_nothing_over_many_calls():
     """sum of compressed outputs + final error == sum of inputs (Alg. 1's invariant)."""
     g = torch.Generator().manual_seed(0)
@@ -57,6 +71,8 @@ def test_bytes_formula():
     # 2 ranks, 1600 elements: signs 200 bytes, each rank sends half of them twice, plus 2 x 4 scale bytes
     assert compressed_allreduce_bytes(1600, 2) == 100 + 100 + 8
     assert compressed_allreduce_bytes(1600, 1) == 0
+    # two tensors: each padded alone (100 -> 112, 1500 -> 1504), two scales each
+    assert compressed_allreduce_bytes([100, 1500], 2) == 2 * (1616 // 8 // 2) + 2 * 4 * 2
 
 
 def _allreduce_rounds(numel: int, rounds: int):
@@ -69,7 +85,7 @@ def _allreduce_rounds(numel: int, rounds: int):
             exact = x.clone()
             comm.all_reduce(exact, op="avg")
             counter_before = counter.summary()
-            out = ar(x.clone())
+            (out,) = ar([x.clone()])
             outs.append(out)
             means.append(exact)
     summary = counter.summary()
@@ -91,7 +107,7 @@ def test_two_stage_allreduce_agrees_and_tracks_the_mean(world):
     assert sum(bytes0.values()) < fp32 / 30
     # error feedback loses nothing: sum of outputs + the mean of the worker errors + the
     # server errors (each rank's chunk) == sum of the exact means
-    worker = torch.stack([r[3] for r in results]).mean(0)[:numel]
-    server = torch.cat([r[4] for r in results])[:numel]
+    worker = torch.stack([r[3].reshape(-1) for r in results]).mean(0)[:numel]
+    server = torch.cat([r[4].reshape(-1) for r in results])[:numel]
     total = torch.stack(outs0).sum(0) + worker + server
     torch.testing.assert_close(total, torch.stack(means0).sum(0), rtol=0, atol=1e-4)
