@@ -12,12 +12,11 @@ from pydantic import Field, field_validator
 
 from meshspeed.config.base import StrictModel, closest
 
-OPTIMIZERS = ("Adam", "AdamW", "SGD", "OneBitAdam")
+OPTIMIZERS = ("Adam", "AdamW", "SGD", "OneBitAdam", "ZeroOneAdam")
 # Optimizers DeepSpeed ships that meshspeed has not implemented.
 DEEPSPEED_ONLY_OPTIMIZERS = (
     "Lamb",
     "OneBitLamb",
-    "ZeroOneAdam",
     "Adagrad",
     "Lion",
     "Muon",
@@ -27,10 +26,8 @@ DEEPSPEED_ONLY_OPTIMIZERS = (
 )
 # What to say of some of them instead of the generic sentence.
 NOT_BUILT_YET = {
-    "zerooneadam": "ZeroOneAdam (0/1 Adam) is not built yet in meshspeed; OneBitAdam is, with "
-                   "the same compressed momentum all-reduce after a freeze_step warm-up",
-    "onebitlamb": "OneBitLamb (1-bit LAMB) is not built yet in meshspeed; OneBitAdam is, with "
-                  "the same compressed momentum all-reduce after a freeze_step warm-up",
+    "onebitlamb": "OneBitLamb (1-bit LAMB) is not built yet in meshspeed; OneBitAdam and "
+                  "ZeroOneAdam are, with the same compressed all-reduce",
 }
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 DEEPSPEED_ONLY_SCHEDULERS = ("OneCycle", "LRRangeTest")
@@ -60,7 +57,7 @@ def canonical_type(
 class OptimizerConfig(StrictModel):
     """Which optimizer meshspeed builds when the caller passes none."""
 
-    type: str  # Adam, AdamW, SGD or OneBitAdam, in any capitalisation
+    type: str  # Adam, AdamW, SGD, OneBitAdam or ZeroOneAdam, in any capitalisation
     params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"lr": 1e-3, "betas": [0.9, 0.999]}
 
     @field_validator("type", mode="before")

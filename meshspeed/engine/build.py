@@ -292,26 +292,27 @@ def _build_optimizer(cfg, client, model_parameters, module, strategy, placement,
 
 
 def _wire_onebit(opt, strategy, cfg: MeshspeedConfig, topology, pipelined: bool) -> None:
-    """1-bit Adam averages momenta itself after its warm-up (Note [1-bit Adam's two phases]
-    in optim/onebit.py): the stage-0 strategy then leaves gradients local. Refuses the
-    layouts where that is not built (DeepSpeed also requires ZeRO stage 0)."""
-    from meshspeed.optim.onebit import OneBitAdam
+    """1-bit Adam and 0/1 Adam communicate by themselves on some steps (Note [1-bit Adam's
+    two phases] in optim/onebit.py, Note [0/1 Adam's schedule] in optim/zero_one.py): the
+    stage-0 strategy then leaves gradients local. Refuses the layouts where that is not
+    built (DeepSpeed also requires ZeRO stage 0)."""
+    from meshspeed.optim.onebit import CompressedOptimizer
 
-    if not isinstance(opt, OneBitAdam):
+    if not isinstance(opt, CompressedOptimizer):
         return
-    problems = []
+    name, problems = type(opt).__name__, []
     if cfg.zero_stage != 0:
-        problems.append(f"optimizer.type: OneBitAdam needs ZeRO stage 0 (got stage {cfg.zero_stage}): its compressed "
-                        "momentum all-reduce replaces the gradient all-reduce, which ZeRO shards; "
+        problems.append(f"optimizer.type: {name} needs ZeRO stage 0 (got stage {cfg.zero_stage}): its "
+                        "compressed all-reduce replaces the gradient all-reduce, which ZeRO shards; "
                         "DeepSpeed refuses this too")
     if cfg.precision_dtype != torch.float32:
-        problems.append("optimizer.type: OneBitAdam runs in fp32 only in this version; turn fp16 / bf16 off")
+        problems.append(f"optimizer.type: {name} runs in fp32 only in this version; turn fp16 / bf16 off")
     others = {axis: topology.size(axis) for axis in ("tp", "pp", "cp", "ep")}
     if pipelined or any(size > 1 for size in others.values()):
         layout = ", ".join(f"{axis} {size}" for axis, size in others.items() if size > 1) or "a pipeline"
-        problems.append(f"optimizer.type: OneBitAdam runs with data parallelism only in this version (got {layout})")
+        problems.append(f"optimizer.type: {name} runs with data parallelism only in this version (got {layout})")
     if cfg.communication_data_type not in (None, "fp32"):
-        problems.append("communication_data_type: OneBitAdam compresses to 1 bit itself; drop communication_data_type")
+        problems.append(f"communication_data_type: {name} compresses to 1 bit itself; drop communication_data_type")
     if problems:
         raise ConfigError(problems)
     strategy.local_gradients = opt.gradients_local  # Note [gradients left local] in parallel/data/ddp.py
