@@ -151,11 +151,14 @@ def test_not_built_yet_names_onebit_adam():
         load_config({"optimizer": {"type": "OneBitLamb"}})
 
 
-def _resume(path: str, freeze_step: int):
-    """4 steps, save, 2 more; a fresh engine loads the checkpoint and takes the same 2."""
+def _resume(path: str, freeze_step: int, block: dict | None = None):
+    """4 steps, save, 2 more; a fresh engine loads the checkpoint and takes the same 2
+    (`block`: another optimizer block than OneBitAdam's)."""
     import meshspeed
 
     setup = _setup(2, freeze_step=freeze_step, steps=6)
+    if block is not None:
+        setup.extra_config = {"optimizer": block}
     setup.gas, setup.clip = 2, 1.0  # accumulation and (local, after freeze) clipping too
     rows = slice(comm.get_rank() * setup.micro, (comm.get_rank() + 1) * setup.micro)
     batches = make_batches(setup)

@@ -101,3 +101,20 @@ def test_params_are_deepspeeds():
     assert isinstance(opt, ZeroOneAdam) and opt.var_freeze_step == 6
     with pytest.raises(ValueError, match="did you mean 'var_freeze_step'"):
         build_optimizer("ZeroOneAdam", {"freeze_step": 10}, groups)
+
+
+def test_checkpoint_resume(tmp_path):
+    from tests.optim.test_onebit import _resume
+
+    # all steps full (fp32 all-reduce): the resumed run continues exactly
+    block = {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "eps": 1e-6, "var_freeze_step": 100,
+                                               "var_update_scaler": 100}}
+    straight, resumed, taken, local = run_distributed(_resume, 2, args=(str(tmp_path / "a"), 0, block))[0]
+    assert resumed == straight and taken == 4 and not local
+    # saved after a local step, resumed over local steps: a checkpoint holds rank 0's
+    # parameters, anchor, momentum and counters, so rank 0 continues exactly
+    block["params"].update(var_freeze_step=0, local_step_scaler=1, local_step_clipper=8)
+    assert zero_one_plan(6, 0, 16, 1, 8) == ["sync", "sync", "local", "local", "local", "local"]
+    straight, resumed, taken, local = run_distributed(_resume, 2, args=(str(tmp_path / "b"), 0, block))[0]
+    assert taken == 4 and local
+    assert resumed == straight
