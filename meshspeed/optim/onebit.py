@@ -84,8 +84,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} steps on dense fp32 tensors only "
                             f"(got {p.dtype}{', sparse' if p.grad.is_sparse else ''})")
 
-    def _average_compressed(self, tensors: list[torch.Tensor]) -> None:
-        """Replace `tensors` by their 1-bit average over the group (one scale per tensor)."""
+    def _average_compressed(self, tensors: list[torch.Tensor], one_scale: bool = False) -> None:
+        """Replace `tensors` by their 1-bit average over the group: one scale per tensor, or
+        with `one_scale` one for all of them, as one flat tensor (1-bit LAMB's choice)."""
+        if one_scale:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self._average_compressed([flat])
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+            return
         sizes = [t.numel() for t in tensors]
         if self._allreduce is None:
             self._allreduce = CompressedAllReduce(sizes, self.group, tensors[0].device)

@@ -5,7 +5,7 @@
 * after freeze_step: no gradient all-reduce; per step the bytes of the compressed momentum
   all-reduce (Note [compressed all-reduce bytes]), ~1/32 of the fp32 all-reduce; every rank
   holds the same parameters;
-* refusals: ZeRO > 0, bf16, unknown params; OneBitLamb not built yet.
+* refusals: ZeRO > 0, bf16, unknown params.
 """
 
 import copy
@@ -141,14 +141,6 @@ def test_params_are_deepspeeds():
         build_optimizer("OneBitAdam", {"comm_backend_name": "gloo-ish"}, groups)
     with pytest.raises(ValueError, match="freeze_step"):
         build_optimizer("OneBitAdam", {"freeze_step": -1}, groups)
-
-
-def test_not_built_yet_names_onebit_adam():
-    from meshspeed.config import load_config
-
-    with pytest.raises(ConfigError, match="OneBitLamb .* is not built yet in meshspeed; OneBitAdam and "
-                                          "ZeroOneAdam are"):
-        load_config({"optimizer": {"type": "OneBitLamb"}})
 
 
 def _resume(path: str, freeze_step: int, block: dict | None = None):
