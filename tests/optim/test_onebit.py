@@ -187,3 +187,30 @@ def test_checkpoint_resume(tmp_path):
     straight, resumed, taken, local = run_distributed(_resume, 2, args=(str(tmp_path / "b"), 2))[0]
     assert taken == 4 and local
     assert all(abs(a - b) < 0.2 for a, b in zip(straight, resumed))
+
+
+def _nan_on_one_rank(setup: ParitySetup):
+    import meshspeed
+
+    model = build_model(setup)
+    engine, *_ = meshspeed.initialize(model=model, config=copy.deepcopy(setup.ds_config()))
+    rows = slice(comm.get_rank() * setup.micro, (comm.get_rank() + 1) * setup.micro)
+    for step, batch in enumerate(make_batches(setup), start=1):
+        engine.backward(model_loss(setup, engine, batch[0][rows]))
+        if step == 4 and comm.get_rank() == 1:  # after freeze_step: gradients are local
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        engine.step()
+    return engine.skipped_steps, full_state_dict(engine)
+
+
+def test_local_gradients_agree_on_skipping_and_clipping():
+    """After freeze_step each rank holds its own gradient: the non-finite check and the
+    clipping norm are reduced over dp (Note [gradients left local]), so a NaN on one rank
+    skips the step on both, and both clip alike."""
+    setup = _setup(2, freeze_step=2, steps=6)
+    setup.clip = 0.01  # always active
+    setup.extra_config["check_finite"] = True
+    (skipped0, state0), (skipped1, state1) = run_distributed(_nan_on_one_rank, 2, args=(setup,))
+    assert skipped0 == skipped1 == 1
+    for name, tensor in state0.items():
+        assert torch.equal(tensor, state1[name]) and torch.isfinite(tensor).all(), name

@@ -11,6 +11,10 @@ An optimizer that communicates by itself (1-bit Adam after its warm-up, optim/on
 sets `local_gradients` to a predicate; while it answers True, buckets are not reduced
 and `.grad` holds this rank's own (accumulated) gradient. It is asked when the boundary
 reduction would start, so its answer may change from one step to the next.
+On such a step the ranks hold different gradients, so the gradient norm and the
+non-finite check are reduced over dp (`grad_norm_groups`), each rank's squares weighted
+1/dp (`grad_norm_weights`): every rank clips by the same coefficient, the root mean
+square of the local norms, and all skip a step together.
 """
 
 from __future__ import annotations
@@ -158,6 +162,8 @@ class DataParallel:
         return [self.master_of[id(p)] for p in self.params]
 
     def grad_norm_groups(self) -> list:
+        if self._local:
+            return [self.group]  # Note [gradients left local]
         if self.experts is not None:
             return [self.group]  # ep ranks hold different experts: see grad_norm_weights
         return []  # every rank holds every (reduced) gradient: norms need no collective
@@ -166,6 +172,8 @@ class DataParallel:
         """Per master, the weight of its squared norm in the sum over `grad_norm_groups()`
         that counts each element once: a dense gradient is replicated over dp (1/dp), an
         expert gradient over edp only (1/edp). None: no weights (no collective either)."""
+        if self._local:
+            return [1.0 / self.world] * len(masters)  # Note [gradients left local]
         if self.experts is None:
             return None
         expert_ids = {id(self.master_of[id(p)]) for p in self.params if self._is_expert(p)}
