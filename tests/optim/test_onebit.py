@@ -143,15 +143,16 @@ def test_params_are_deepspeeds():
         build_optimizer("OneBitAdam", {"freeze_step": -1}, groups)
 
 
-def _resume(path: str, freeze_step: int, block: dict | None = None):
-    """4 steps, save, 2 more; a fresh engine loads the checkpoint and takes the same 2
-    (`block`: another optimizer block than OneBitAdam's)."""
+def _resume(path: str, freeze_step: int, block: dict | None = None, split: int = 4, steps: int = 6,
+            clip: float = 1.0):
+    """`split` steps, save, the rest; a fresh engine loads the checkpoint and takes the same
+    rest (`block`: another optimizer block than OneBitAdam's)."""
     import meshspeed
 
-    setup = _setup(2, freeze_step=freeze_step, steps=6)
+    setup = _setup(2, freeze_step=freeze_step, steps=steps)
     if block is not None:
         setup.extra_config = {"optimizer": block}
-    setup.gas, setup.clip = 2, 1.0  # accumulation and (local, after freeze) clipping too
+    setup.gas, setup.clip = 2, clip  # accumulation and (after freeze, over dp) clipping too
     rows = slice(comm.get_rank() * setup.micro, (comm.get_rank() + 1) * setup.micro)
     batches = make_batches(setup)
 
@@ -169,13 +170,13 @@ def _resume(path: str, freeze_step: int, block: dict | None = None):
         return meshspeed.initialize(model=build_model(setup), config=copy.deepcopy(setup.ds_config()))
 
     engine, opt, *_ = fresh()
-    train(engine, batches[:4])
+    train(engine, batches[:split])
     engine.save_checkpoint(path, tag="t")
-    straight = train(engine, batches[4:])
+    straight = train(engine, batches[split:])
     engine, opt, *_ = fresh()
     engine.load_checkpoint(path, tag="t")
     taken = opt.steps_taken()
-    return straight, train(engine, batches[4:]), taken, engine.strategy.local_gradients()
+    return straight, train(engine, batches[split:]), taken, engine.strategy.local_gradients()
 
 
 def test_checkpoint_resume(tmp_path):

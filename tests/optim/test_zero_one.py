@@ -112,9 +112,11 @@ def test_checkpoint_resume(tmp_path):
     straight, resumed, taken, local = run_distributed(_resume, 2, args=(str(tmp_path / "a"), 0, block))[0]
     assert resumed == straight and taken == 4 and not local
     # saved after a local step, resumed over local steps: a checkpoint holds rank 0's
-    # parameters, anchor, momentum and counters, so rank 0 continues exactly
-    block["params"].update(var_freeze_step=0, local_step_scaler=1, local_step_clipper=8)
-    assert zero_one_plan(6, 0, 16, 1, 8) == ["sync", "sync", "local", "local", "local", "local"]
-    straight, resumed, taken, local = run_distributed(_resume, 2, args=(str(tmp_path / "b"), 0, block))[0]
-    assert taken == 4 and local
+    # parameters, anchor, momentum and counters, so rank 0 continues exactly (without
+    # clipping, whose norm is over both ranks' local gradients)
+    block["params"].update(var_freeze_step=1, local_step_scaler=2, local_step_clipper=8)
+    assert zero_one_plan(7, 1, 100, 2, 8) == ["full", "sync", "sync", "sync", "local", "local", "local"]
+    straight, resumed, taken, local = run_distributed(
+        _resume, 2, args=(str(tmp_path / "b"), 0, block), kwargs={"split": 5, "steps": 7, "clip": 0.0})[0]
+    assert taken == 5 and local
     assert resumed == straight
