@@ -22,8 +22,10 @@ Where meshspeed differs from DeepSpeed 0.x, on purpose:
   arithmetic: each tensor padded alone, its own worker and server scales
   (Note [layout of the compressed buffer] in comm/compressed.py).
 * `exp_avg_mask` (a group option DeepSpeed's BERT example sets) is not supported.
-Gradient clipping after freeze_step clips each rank's local gradient (no collective), as
-DeepSpeed's engine does when its backward all-reduce is off.
+* With local gradients, gradient clipping uses one coefficient on every rank, from the root
+  mean square of the ranks' local norms, and a non-finite gradient on any rank skips the
+  step everywhere (Note [gradients left local] in parallel/data/ddp.py); DeepSpeed clips
+  each rank by its own local norm.
 """
 
 from __future__ import annotations
