@@ -21,7 +21,7 @@ Where meshspeed differs from DeepSpeed 0.x, on purpose:
   tensor); here one call takes all of them, 4 collectives per step, with the same
   arithmetic: each tensor padded alone, its own worker and server scales
   (Note [layout of the compressed buffer] in comm/compressed.py).
-* `exp_avg_mask` (a group option DeepSpeed's BERT example sets) is not supported.
+* `exp_avg_mask` (a group option DeepSpeed's BERT example sets) is refused, not built yet.
 * With local gradients, gradient clipping uses one coefficient on every rank, from the root
   mean square of the ranks' local norms, and a non-finite gradient on any rank skips the
   step everywhere (Note [gradients left local] in parallel/data/ddp.py); DeepSpeed clips
@@ -54,7 +54,7 @@ def whole_number(name: str, value: Any) -> int:
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
-    """What 1-bit Adam and 0/1 Adam share: DeepSpeed's transport params (accepted, logged),
+    """What 1-bit Adam, 0/1 Adam and 1-bit LAMB share: DeepSpeed's transport params (accepted, logged),
     the data-parallel `group`, flat compressed all-reduces with their error buffers, and
     `gradients_local()`, which the stage-0 strategy asks before each boundary reduction."""
 
@@ -67,6 +67,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
                      "all-reduce runs over the data-parallel group's backend", type(self).__name__,
                      cuda_aware, comm_backend_name)
         super().__init__(params, defaults)
+        if any("exp_avg_mask" in g for g in self.param_groups):
+            raise ValueError(f"{type(self).__name__}: the parameter-group option exp_avg_mask is not "
+                             "built yet in meshspeed; drop it (its momentum then also covers the "
+                             "masked elements)")
         self.group = group
         self.world = comm.get_world_size(group) if comm.is_initialized() else 1
         self._allreduce: CompressedAllReduce | None = None  # built on the first compressed call

@@ -141,6 +141,9 @@ def test_params_are_deepspeeds():
         build_optimizer("OneBitAdam", {"comm_backend_name": "gloo-ish"}, groups)
     with pytest.raises(ValueError, match="freeze_step"):
         build_optimizer("OneBitAdam", {"freeze_step": -1}, groups)
+    masked = [{"params": groups[0]["params"], "exp_avg_mask": torch.ones(3)}]
+    with pytest.raises(ValueError, match="exp_avg_mask is not built yet"):
+        build_optimizer("OneBitAdam", {}, masked)
 
 
 def _resume(path: str, freeze_step: int, block: dict | None = None, split: int = 4, steps: int = 6,
