@@ -14,6 +14,7 @@ sequence.py     per-group sequence numbers and the digest the step agreement com
 rollcall.py     who is where, through the store, when a collective fails
 blocked.py      BlockedTimer: seconds blocked in communication (exposed, not overlapped)
 along.py        gather / reduce-scatter / split / all-to-all along any dimension
+compressed.py   1-bit error-compensated all-reduce (1-bit Adam's momentum)
 differentiable.py  forward/backward pairs for tensor, sequence and expert parallelism
 """
 

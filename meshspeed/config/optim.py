@@ -12,13 +12,10 @@ from pydantic import Field, field_validator
 
 from meshspeed.config.base import StrictModel, closest
 
-OPTIMIZERS = ("Adam", "AdamW", "SGD")
+OPTIMIZERS = ("Adam", "AdamW", "SGD", "OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 # Optimizers DeepSpeed ships that meshspeed has not implemented.
 DEEPSPEED_ONLY_OPTIMIZERS = (
     "Lamb",
-    "OneBitAdam",
-    "OneBitLamb",
-    "ZeroOneAdam",
     "Adagrad",
     "Lion",
     "Muon",
@@ -52,7 +49,7 @@ def canonical_type(
 class OptimizerConfig(StrictModel):
     """Which optimizer meshspeed builds when the caller passes none."""
 
-    type: str  # Adam, AdamW or SGD, in any capitalisation
+    type: str  # Adam, AdamW, SGD, OneBitAdam, ZeroOneAdam or OneBitLamb, in any capitalisation
     params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"lr": 1e-3, "betas": [0.9, 0.999]}
 
     @field_validator("type", mode="before")

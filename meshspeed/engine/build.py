@@ -120,7 +120,8 @@ def initialize(
         raise TypeError(f"{type(strategy).__name__} does not implement meshspeed.parallel.protocol.Strategy")
     configure_from_config(cfg, topology)  # the activation_checkpointing block, with the tp group
     check_host_memory(strategy, cfg)
-    opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy, placement)
+    opt = _build_optimizer(cfg, optimizer, model_parameters, module, strategy, placement, dp_group)
+    _wire_onebit(opt, strategy, cfg, topology, pipelined)
     registry.attach_optimizer(strategy, opt)  # for safe_get_full_optimizer_state(param, key)
     scheduler = _build_scheduler(cfg, lr_scheduler, opt)
     loader = None
@@ -285,7 +286,7 @@ def _grad_compression(cfg: MeshspeedConfig) -> GradCompression | None:
                            two_hop=gc.exchange == "two_hop")
 
 
-def _build_optimizer(cfg, client, model_parameters, module, strategy, placement):
+def _build_optimizer(cfg, client, model_parameters, module, strategy, placement, dp_group=None):
     groups = master_groups(model_parameters, module, strategy.master_of)
     if client is not None:
         if cfg.optimizer is not None:
@@ -297,10 +298,40 @@ def _build_optimizer(cfg, client, model_parameters, module, strategy, placement)
             '(e.g. {"type": "AdamW", "params": {"lr": 3e-4}}) or pass initialize(optimizer=...)'
         )
     try:
-        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), groups)
+        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), groups, dp_group)
     except (ValueError, TypeError) as err:
         raise ConfigError([str(err)]) from err
     return offload_optimizer(opt, cfg, placement)
+
+
+def _wire_onebit(opt, strategy, cfg: MeshspeedConfig, topology, pipelined: bool) -> None:
+    """1-bit Adam and 0/1 Adam communicate by themselves on some steps (Note [1-bit Adam's
+    two phases] in optim/onebit.py, Note [0/1 Adam's schedule] in optim/zero_one.py): the
+    stage-0 strategy then leaves gradients local. Refuses the layouts where that is not
+    built (DeepSpeed also requires ZeRO stage 0)."""
+    from meshspeed.optim.onebit import CompressedOptimizer
+
+    if not isinstance(opt, CompressedOptimizer):
+        return
+    name, problems = type(opt).__name__, []
+    if cfg.zero_stage != 0:
+        problems.append(f"optimizer.type: {name} needs ZeRO stage 0 (got stage {cfg.zero_stage}): its "
+                        "compressed all-reduce replaces the gradient all-reduce, which ZeRO shards; "
+                        "DeepSpeed refuses this too")
+    if cfg.precision_dtype != torch.float32:
+        problems.append(f"optimizer.type: {name} runs in fp32 only in this version; turn fp16 / bf16 off")
+    others = {axis: topology.size(axis) for axis in ("tp", "pp", "cp", "ep")}
+    if pipelined or any(size > 1 for size in others.values()):
+        layout = ", ".join(f"{axis} {size}" for axis, size in others.items() if size > 1) or "a pipeline"
+        problems.append(f"optimizer.type: {name} runs with data parallelism only in this version (got {layout})")
+    if cfg.communication_data_type not in (None, "fp32"):
+        problems.append(f"communication_data_type: {name} compresses to 1 bit itself; drop communication_data_type")
+    if cfg.gradient_compression is not None:
+        problems.append(f"gradient_compression with optimizer.type {name}: the optimizer compresses its "
+                        "momentum to 1 bit itself; drop gradient_compression")
+    if problems:
+        raise ConfigError(problems)
+    strategy.local_gradients = opt.gradients_local  # Note [gradients left local] in parallel/data/ddp.py
 
 
 def _build_scheduler(cfg, client, optimizer):

@@ -31,6 +31,16 @@ _ALLOWED = {
     "Adam": _COMMON | {"betas", "eps", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction", "fused", "foreach"},
     "AdamW": _COMMON | {"betas", "eps", "amsgrad", "torch_adam", "bias_correction", "fused", "foreach"},
     "SGD": _COMMON | {"momentum", "dampening", "nesterov", "foreach"},
+    # DeepSpeed's OnebitAdam / ZeroOneAdam / OnebitLamb params (optim/onebit.py, zero_one.py,
+    # onebit_lamb.py); max_grad_norm, eps_inside_sqrt
+    # and amsgrad have no effect or are refused there, so they are not accepted here
+    "OneBitAdam": _COMMON | {"betas", "eps", "freeze_step", "bias_correction", "cuda_aware",
+                             "comm_backend_name"},
+    "ZeroOneAdam": _COMMON | {"betas", "eps", "bias_correction", "var_freeze_step", "var_update_scaler",
+                              "local_step_scaler", "local_step_clipper", "cuda_aware", "comm_backend_name"},
+    "OneBitLamb": _COMMON | {"betas", "eps", "freeze_step", "bias_correction", "max_coeff", "min_coeff",
+                             "coeff_beta", "factor_max", "factor_min", "factor_threshold", "cuda_aware",
+                             "comm_backend_name"},
 }
 _IGNORED = {"torch_adam", "bias_correction", "adam_w_mode"}  # DeepSpeed switches with no torch twin
 # (torch_adam still decides the default weight decay: Note [no weight_decay means 0])
@@ -57,9 +67,24 @@ def _check_params(kind: str, params: dict[str, Any]) -> None:
             raise ValueError(f"optimizer.params.betas: expected two numbers, e.g. [0.9, 0.999]; got {value!r}")
 
 
-def build_optimizer(kind: str, params: dict[str, Any], groups: list[dict]) -> torch.optim.Optimizer:
-    """`kind` in Adam / AdamW / SGD (canonical spelling); `params` the config's params block."""
+def build_optimizer(kind: str, params: dict[str, Any], groups: list[dict],
+                    dp_group: Any = None) -> torch.optim.Optimizer:
+    """`kind` in Adam / AdamW / SGD / OneBitAdam / ZeroOneAdam / OneBitLamb (canonical
+    spelling); `params` the config's params block; `dp_group` the ranks an optimizer that
+    communicates by itself (the last three) averages over."""
     _check_params(kind, params)
+    if kind == "OneBitAdam":
+        from meshspeed.optim.onebit import OneBitAdam
+
+        return OneBitAdam(groups, **params, group=dp_group)
+    if kind == "ZeroOneAdam":
+        from meshspeed.optim.zero_one import ZeroOneAdam
+
+        return ZeroOneAdam(groups, **params, group=dp_group)
+    if kind == "OneBitLamb":
+        from meshspeed.optim.onebit_lamb import OneBitLamb
+
+        return OneBitLamb(groups, **params, group=dp_group)
     kwargs = {k: v for k, v in params.items() if k not in _IGNORED}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])

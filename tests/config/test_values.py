@@ -104,9 +104,11 @@ def test_optimizer_type_case_insensitive_keeps_canonical_spelling(spelling):
 
 
 def test_deepspeed_only_optimizer_says_what_is_supported():
-    msg = error_of({"optimizer": {"type": "OneBitAdam"}})
+    msg = error_of({"optimizer": {"type": "Lamb"}})
     assert msg.startswith("optimizer.type: a DeepSpeed optimizer meshspeed does not implement")
-    assert "supported types: Adam, AdamW, SGD" in msg
+    assert "supported types: Adam, AdamW, SGD, OneBitAdam, ZeroOneAdam, OneBitLamb" in msg
+    assert load_config({"optimizer": {"type": "onebitlamb"}}).optimizer.type == "OneBitLamb"
+    assert load_config({"optimizer": {"type": "onebitadam"}}).optimizer.type == "OneBitAdam"
     assert "did you mean 'Adam'" in error_of({"optimizer": {"type": "Adma"}})
 
 

@@ -10,9 +10,21 @@ With a `GradCompression` policy (the `gradient_compression` block) a bucket is i
 compressed, with this rank's error-feedback residual added, and its payload sent from the
 same hook (an all-gather, or the all-to-all of Note [two hops]); every rank decodes and
 sums the payloads at the step, identically (compress.py).
+
+Note [gradients left local]
+An optimizer that communicates by itself (1-bit Adam after its warm-up, optim/onebit.py)
+sets `local_gradients` to a predicate; while it answers True, buckets are not reduced
+and `.grad` holds this rank's own (accumulated) gradient. It is asked when the boundary
+reduction would start, so its answer may change from one step to the next.
+On such a step the ranks hold different gradients, so the gradient norm and the
+non-finite check are reduced over dp (`grad_norm_groups`), each rank's squares weighted
+1/dp (`grad_norm_weights`): every rank clips by the same coefficient, the root mean
+square of the local norms, and all skip a step together.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -93,6 +105,8 @@ class DataParallel:
         self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._launched = False  # this step's reductions were started
         self._averaged = False  # ... and have landed and been averaged
+        self.local_gradients: Callable[[], bool] | None = None  # Note [gradients left local]
+        self._local = False  # this step's gradients were left local
         self.tracker = ReadinessTracker([b.params for b in self.buckets], weak_method(self._launch))
         self._sync_params()
         registry.register(params, self)
@@ -123,13 +137,16 @@ class DataParallel:
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         bucket.collect()
+        if not self._launched:
+            self._local = self.local_gradients is not None and self.local_gradients()
+        self._launched = True
+        if self._local:
+            return  # Note [gradients left local]
         if bucket.compressed is not None and self._steps >= self.compression.warmup_steps:
             bucket.work = bucket.compressed.launch(bucket.flat, async_op=self.overlap)
-            self._launched = True
             return
         buf = bucket.flat if bucket.reduced is None else bucket.reduced.copy_(bucket.flat)
         bucket.work = comm.all_reduce(buf, group=bucket.group, async_op=self.overlap)
-        self._launched = True
 
     def finish_backward(self) -> None:
         self.tracker.flush()
@@ -143,9 +160,10 @@ class DataParallel:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            if bucket.compressed is not None and bucket.compressed.gathered is not None:
-                bucket.compressed.sum_into(self._reduced(bucket))
-            self._reduced(bucket).div_(self.world)  # dp, for experts too (Note in layer.py)
+            if not self._local:
+                if bucket.compressed is not None and bucket.compressed.gathered is not None:
+                    bucket.compressed.sum_into(self._reduced(bucket))
+                self._reduced(bucket).div_(self.world)  # dp, for experts too (Note in layer.py)
         self._averaged = True
 
     @staticmethod
@@ -166,6 +184,8 @@ class DataParallel:
         return [self.master_of[id(p)] for p in self.params]
 
     def grad_norm_groups(self) -> list:
+        if self._local:
+            return [self.group]  # Note [gradients left local]
         if self.experts is not None:
             return [self.group]  # ep ranks hold different experts: see grad_norm_weights
         return []  # every rank holds every (reduced) gradient: norms need no collective
@@ -174,6 +194,8 @@ class DataParallel:
         """Per master, the weight of its squared norm in the sum over `grad_norm_groups()`
         that counts each element once: a dense gradient is replicated over dp (1/dp), an
         expert gradient over edp only (1/edp). None: no weights (no collective either)."""
+        if self._local:
+            return [1.0 / self.world] * len(masters)  # Note [gradients left local]
         if self.experts is None:
             return None
         expert_ids = {id(self.master_of[id(p)]) for p in self.params if self._is_expert(p)}
@@ -200,7 +222,7 @@ class DataParallel:
                 self.master_of[id(p)].grad = None
         for b in self.buckets:
             b.bind()
-        self._launched = self._averaged = False
+        self._launched = self._averaged = self._local = False
         self._steps += 1
 
     # -- user access (meshspeed/parallel/access.py) -------------------------------------------

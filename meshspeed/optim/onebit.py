@@ -1,0 +1,174 @@
+"""1-bit Adam (Tang et al., arXiv:2102.02888): Adam whose momentum is averaged in 1 bit.
+
+Note [1-bit Adam's two phases]
+Warm-up, steps 1..freeze_step: the engine all-reduces the gradients in fp32 as for any
+optimizer, and this is Adam: m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2.
+Compressed, every later step: v is frozen (the paper's observation: after warm-up Adam's
+variance changes slowly, so it can act as a fixed preconditioner), the engine leaves the
+gradients local (`gradients_local()` tells the strategy, Note [gradients left local] in
+parallel/data/ddp.py), each rank folds its own gradient into its momentum, and the momenta
+are averaged by `meshspeed.comm.compressed.CompressedAllReduce`: error-compensated signs,
+1 bit per element plus scales, two stages. Every rank ends with the same momentum, so
+parameters stay identical.
+The update in both phases is DeepSpeed's (OnebitAdam in 0.x): p -= lr * (m / (sqrt(v) + eps)
++ weight_decay * p); there is no bias correction (DeepSpeed accepts `bias_correction`
+and ignores it, so do we), and weight decay is decoupled, added to the update.
+A single rank has no one to talk to: momentum is then used as is (DeepSpeed too).
+Where meshspeed differs from DeepSpeed 0.x, on purpose:
+* DeepSpeed's first `step()` is an initialisation call that counts a step but leaves the
+  parameters unchanged (the first gradient is dropped); here the first step is Adam's.
+* DeepSpeed compresses each parameter's momentum in its own call (4 collectives per
+  tensor); here one call takes all of them, 4 collectives per step, with the same
+  arithmetic: each tensor padded alone, its own worker and server scales
+  (Note [layout of the compressed buffer] in comm/compressed.py).
+* `exp_avg_mask` (a group option DeepSpeed's BERT example sets) is refused, not built yet.
+* With local gradients, gradient clipping uses one coefficient on every rank, from the root
+  mean square of the ranks' local norms, and a non-finite gradient on any rank skips the
+  step everywhere (Note [gradients left local] in parallel/data/ddp.py); DeepSpeed clips
+  each rank by its own local norm.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshspeed import comm
+from meshspeed.comm.compressed import CompressedAllReduce
+
+__all__ = ["COMM_BACKENDS", "CompressedOptimizer", "OneBitAdam"]
+
+log = logging.getLogger("meshspeed")
+
+# DeepSpeed's comm_backend_name values; each means "the data-parallel group's backend" here
+COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
+
+
+def whole_number(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"optimizer.params.{name}: expected a whole number >= 0, got {value!r}")
+    return value
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """What 1-bit Adam, 0/1 Adam and 1-bit LAMB share: DeepSpeed's transport params (accepted, logged),
+    the data-parallel `group`, flat compressed all-reduces with their error buffers, and
+    `gradients_local()`, which the stage-0 strategy asks before each boundary reduction."""
+
+    def __init__(self, params, defaults: dict, *, cuda_aware: bool, comm_backend_name: str, group: Any):
+        if comm_backend_name not in COMM_BACKENDS:
+            raise ValueError(f"optimizer.params.comm_backend_name: {comm_backend_name!r} is not one "
+                             f"of DeepSpeed's {list(COMM_BACKENDS)}")
+        if comm.is_initialized() and comm.get_rank() == 0 and (cuda_aware or comm_backend_name != "nccl"):
+            log.info("%s: cuda_aware=%s, comm_backend_name=%r have no effect; the compressed "
+                     "all-reduce runs over the data-parallel group's backend", type(self).__name__,
+                     cuda_aware, comm_backend_name)
+        super().__init__(params, defaults)
+        if any("exp_avg_mask" in g for g in self.param_groups):
+            raise ValueError(f"{type(self).__name__}: the parameter-group option exp_avg_mask is not "
+                             "built yet in meshspeed; drop it (its momentum then also covers the "
+                             "masked elements)")
+        self.group = group
+        self.world = comm.get_world_size(group) if comm.is_initialized() else 1
+        self._allreduce: CompressedAllReduce | None = None  # built on the first compressed call
+
+    def steps_taken(self) -> int:
+        """Optimizer steps applied so far (kept per parameter in `state`, so checkpoints carry it)."""
+        for state in self.state.values():
+            return int(state["step"])
+        return 0
+
+    def gradients_local(self) -> bool:
+        """Whether the coming step wants this rank's own gradients (no fp32 all-reduce)."""
+        raise NotImplementedError
+
+    def _check(self, p: torch.Tensor) -> None:
+        if p.grad.is_sparse or p.dtype != torch.float32:
+            raise TypeError(f"{type(self).__name__} steps on dense fp32 tensors only "
+                            f"(got {p.dtype}{', sparse' if p.grad.is_sparse else ''})")
+
+    def _average_compressed(self, tensors: list[torch.Tensor], one_scale: bool = False) -> None:
+        """Replace `tensors` by their 1-bit average over the group: one scale per tensor, or
+        with `one_scale` one for all of them, as one flat tensor (1-bit LAMB's choice)."""
+        if one_scale:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self._average_compressed([flat])
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+            return
+        sizes = [t.numel() for t in tensors]
+        if self._allreduce is None:
+            self._allreduce = CompressedAllReduce(sizes, self.group, tensors[0].device)
+        elif self._allreduce.sizes != sizes:
+            raise RuntimeError(f"{type(self).__name__}: the set of parameters with gradients changed; "
+                               "the error-feedback buffers no longer line up")
+        self._allreduce(tensors)
+
+    def _reset_errors(self) -> None:
+        if self._allreduce is not None:
+            self._allreduce.reset()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load moments and step counts; the compression errors restart from zero (they
+        differ per rank and are not saved, as in DeepSpeed)."""
+        super().load_state_dict(state_dict)
+        self._reset_errors()
+
+
+class OneBitAdam(CompressedOptimizer):
+    """DeepSpeed's `OnebitAdam` params over meshspeed's compressed all-reduce on `group`.
+
+    `freeze_step`: the number of warm-up steps with full-precision gradients (DeepSpeed's
+    default, 100000, is meant for long pre-training runs). `cuda_aware` and
+    `comm_backend_name` choose DeepSpeed's transport; meshspeed has one, over `group`."""
+
+    def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, bias_correction: bool = True, cuda_aware: bool = False,
+                 comm_backend_name: str = "nccl", group: Any = None):
+        self.freeze_step = whole_number("freeze_step", freeze_step)
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay},
+                         cuda_aware=cuda_aware, comm_backend_name=comm_backend_name, group=group)
+
+    def gradients_local(self) -> bool:
+        """After freeze_step, every step: the momentum is what is communicated."""
+        return self.steps_taken() >= self.freeze_step
+
+    # -- the step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        compressed = self.gradients_local()
+        live = []  # (param, state, group) of the parameters with a gradient this step
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self._check(p)
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                if not compressed:  # Note [1-bit Adam's two phases]: v frozen afterwards
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                live.append((p, state, group))
+        if compressed and self.world > 1 and live:
+            self._average_compressed([state["exp_avg"] for _, state, _ in live])
+        for p, state, group in live:
+            update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+            if group["weight_decay"] > 0:
+                update.add_(p, alpha=group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
+        return loss
