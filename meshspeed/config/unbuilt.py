@@ -4,8 +4,8 @@
 behind yet. Going on without the feature is only honest when the user loses nothing but
 a report or a tuning knob, so each key is judged by its value:
 
-* a value that asks for a parallelism or for different numerics (ZeRO++ quantized
-  gradients, `amp`, ...) is a
+* a value that asks for a parallelism or for different numerics (ZeRO++ hierarchical
+  partitioning, `amp`, ...) is a
   ConfigError: training on would silently be plain data parallelism, or other numbers;
 * a monitor or logger that is switched on (`tensorboard`, `wandb`, `flops_profiler`, ...)
   is one warning on rank 0 saying it is not there;
@@ -67,7 +67,6 @@ ASKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "zero_optimization.zero_hpz_partition_size": (_above(1), "ZeRO++ hierarchical partitioning"),
     "zero_optimization.zero_quantized_nontrainable_weights": (
         _truthy, "ZeRO++ non-trainable weights stored quantized"),
-    "zero_optimization.zero_quantized_gradients": (_truthy, "ZeRO++ quantized gradients"),
     "zero_optimization.zeropp_loco_param": (_truthy, "ZeRO++ LoCo gradient compression"),
     "zero_optimization.mics_shard_size": (_above(0), "MiCS sharding"),
     "zero_optimization.zenflow": (_truthy, "ZenFlow"),

@@ -55,6 +55,9 @@ class ZeroConfig(StrictModel):
     # ZeRO++ qwZ (arXiv:2306.10209): stage-3 parameter all-gathers carry block-quantized
     # INT8 weights and fp32 scales instead of the 16/32-bit shards (parallel/zero/qwz.py)
     zero_quantized_weights: bool = False
+    # ZeRO++ qgZ: stages 2-3 reduce each unit's gradients by one all-to-all of INT4 shards
+    # and fp32 scales instead of a reduce-scatter (parallel/zero/qgz.py)
+    zero_quantized_gradients: bool = False
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
 
@@ -86,4 +89,12 @@ class ZeroConfig(StrictModel):
             raise ValueError(
                 f"zero_quantized_weights quantizes the parameter all-gathers of stage 3, and stage "
                 f"{self.stage} gathers no parameters around their use; set stage 3 or drop the key")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_gradients_need_stage_2_or_3(self):
+        if self.zero_quantized_gradients and self.stage not in (2, 3):
+            raise ValueError(
+                f"zero_quantized_gradients quantizes the per-unit gradient reduce-scatter of stages 2 "
+                f"and 3, and stage {self.stage} has none; set stage 2 or 3 or drop the key")
         return self

@@ -40,7 +40,7 @@ from meshspeed.parallel.data.ddp import DataParallel
 from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.parallel.protocol import Strategy
-from meshspeed.parallel.zero import qwz
+from meshspeed.parallel.zero import qgz, qwz
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import cast_partitioned, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.strategy import Zero
@@ -274,6 +274,7 @@ def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement,
         max_live_numel=z.stage3_max_live_parameters, comm_dtype=_comm_dtype(cfg),
         placement=placement, experts=experts,
         weight_block=qwz.BLOCK if z.zero_quantized_weights else None,
+        grad_block=qgz.GRAD_BLOCK if z.zero_quantized_gradients else None,
     )
 
 

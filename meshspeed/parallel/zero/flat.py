@@ -48,6 +48,7 @@ from meshspeed.parallel.buckets import GradViews
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import full_shape, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState, Span
+from meshspeed.parallel.zero.qgz import GradientExchange
 from meshspeed.parallel.zero.qwz import BlockQuantizer
 from meshspeed.parallel.zero.staging import StagingPool
 
@@ -101,11 +102,14 @@ class FlatUnit:
     separate fp32 `master_buffer` (bf16/fp16 training, or placed elsewhere by offload).
     `grad_shard` is the reduced gradient of the rank's range, in the parameters' dtype.
     `weight_block`: stage 3 gathers for training move INT8 weights with one fp32 scale per
-    this many elements (ZeRO++ qwZ, qwz.py); gathers for the user stay exact."""
+    this many elements (ZeRO++ qwZ, qwz.py); gathers for the user stay exact.
+    `grad_block`: stages 2-3 reduce gradients by an all-to-all of INT4 shards with one fp32
+    scale per this many elements instead of a reduce-scatter (ZeRO++ qgZ, qgz.py)."""
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], groups: UnitGroups, *,
                  shard_params: bool, keep_full_grads: bool, pool: StagingPool,
-                 comm_dtype: torch.dtype = torch.float32, weight_block: int | None = None):
+                 comm_dtype: torch.dtype = torch.float32, weight_block: int | None = None,
+                 grad_block: int | None = None):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -167,6 +171,10 @@ class FlatUnit:
         self.quantizer = BlockQuantizer(self.shard_numel, weight_block) \
             if shard_params and weight_block is not None else None
         self._payloads: torch.Tensor | None = None
+        if grad_block is not None and keep_full_grads:
+            raise ValueError(f"unit {name}: quantized gradient exchange (qgZ) needs stage 2 or 3")
+        self.grad_exchange = GradientExchange(self.shard_numel, self.world, grad_block) \
+            if grad_block is not None else None
         self._staging: torch.Tensor | None = None  # full gradients being collected
         self._arrived = [False] * len(self.params)
         self._reducing = False
@@ -337,6 +345,8 @@ class FlatUnit:
             else:
                 self._zero_gaps(staged)
             src = staged
+        if self.grad_exchange is not None:
+            return self._launch_quantized(staged)
         direct = self.grad_shard is None and self.comm_dtype == self.dtype
         out = self._grad_buffer() if direct else self.pool.take(self.shard_numel)
         work = comm.reduce_scatter_tensor(out, src, group=self.groups.shard, async_op=True)
@@ -358,6 +368,27 @@ class FlatUnit:
             else:
                 self.grad_shard.add_(out)
             self.pool.give_back(out)
+
+        return finish
+
+    def _launch_quantized(self, staged: torch.Tensor):
+        """qgZ (qgz.py): the reduce-scatter of `launch_reduce_scatter` as one all-to-all of
+        INT4 shards; the pieces of this rank's shard are summed in fp32, then averaged and
+        accumulated into `grad_shard` as on the plain path."""
+        recv, work = self.grad_exchange.launch(staged, self.groups.shard)
+        self.pool.give_back(staged)  # encoded: the payloads hold what is sent
+
+        def finish() -> None:
+            work.wait()
+            out = self.grad_exchange.summed(recv)
+            if self.groups.replicate is not None:
+                comm.all_reduce(out, group=self.groups.replicate)
+            self._reducing = False
+            out.div_(self.groups.divisor)
+            if self.grad_shard is None:
+                self.grad_shard = self._grad_buffer().copy_(out)
+            else:
+                self.grad_shard.add_(out)
 
         return finish
 

@@ -71,15 +71,22 @@ class Zero:
         placement=None,
         experts: ExpertSpec | None = None,
         weight_block: int | None = None,
+        grad_block: int | None = None,
     ):
         """`weight_block`: ZeRO++ qwZ, stage 3 only: the parameter all-gathers of forward
         and backward move INT8 weights with one fp32 scale per this many elements (qwz.py);
-        None gathers the shards as they are."""
+        None gathers the shards as they are. `grad_block`: ZeRO++ qgZ, stages 2-3: each
+        unit's gradient reduce-scatter becomes an all-to-all of INT4 shards with one fp32
+        scale per this many elements (qgz.py); None reduce-scatters as they are."""
         if stage not in (1, 2, 3):
             raise ValueError(f"Zero handles stages 1-3, got {stage}")
         if weight_block is not None and not STAGES[stage].shard_params:
             raise ValueError(f"quantized weight gathers (qwZ) need stage 3; stage {stage} gathers no parameters")
+        if grad_block is not None and not STAGES[stage].shard_grads:
+            raise ValueError(f"quantized gradient reduction (qgZ) needs stage 2 or 3; stage {stage} "
+                             "reduces its full gradients once per step")
         self.weight_block = weight_block
+        self.grad_block = grad_block
         self.stage = stage
         self.spec = STAGES[stage]
         self.module = module
@@ -139,7 +146,7 @@ class Zero:
         groups = self._groups_of(plan.params[0][1])  # a unit is all expert or all dense
         unit = FlatUnit(plan.name, plan.params, groups, shard_params=plan.shard_params,
                         keep_full_grads=not self.spec.shard_grads, pool=self.pool, comm_dtype=comm_dtype,
-                        weight_block=self.weight_block)
+                        weight_block=self.weight_block, grad_block=self.grad_block)
         if not plan.shard_params:
             unit.broadcast_from(0)  # every replica starts from the first rank's values
         return unit
