@@ -153,3 +153,44 @@ def test_training_follows_the_plain_reduce_scatter(stage):
     for name in masters:
         assert torch.equal(masters[name], other[name]), name
     print(f"stage {stage}: first {pl[0]:.4f}, held-out plain {plain_held:.4f} qgZ {quant_held:.4f}")
+
+
+def test_a_non_finite_gradient_stays_non_finite_for_the_overflow_check():
+    """fp16 loss scaling skips a step on inf/NaN in the reduced gradient: an inf or NaN in
+    any rank's piece makes its block's scale non-finite, so the decoded sum is too."""
+    ex = GradientExchange(600, 2)
+    for bad in (float("inf"), float("nan")):
+        x = torch.randn(600)
+        x[300] = bad
+        got = ex.summed(torch.stack([ex.codec.encode(x), ex.codec.encode(torch.randn(600))]))
+        assert not torch.isfinite(got[256:512]).all() and torch.isfinite(got[:256]).all()
+
+
+def _accumulating(zero, steps=10):
+    torch.manual_seed(0)
+    net = GPT(CFG)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": zero}
+    engine, *_ = meshspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    g = torch.Generator().manual_seed(comm.get_rank())
+    tokens = torch.randint(0, CFG.vocab_size, (2, 17), generator=g)
+    losses = []
+    for _ in range(2 * steps):
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_with_accumulation_qwz_and_optimizer_offload():
+    """Two micro-steps per step (each reduced by its own all-to-all and accumulated into the
+    shard), with qwZ on the gathers, and with the optimizer on the host (the summed shard
+    moved to an fp32 host copy): training goes down, and offload changes nothing."""
+    qgz = {"stage": 3, "zero_quantized_gradients": True}
+    both = run_distributed(_accumulating, world_size=2, args=({**qgz, "zero_quantized_weights": True},))[0]
+    base = run_distributed(_accumulating, world_size=2, args=(qgz,))[0]
+    host = run_distributed(_accumulating, world_size=2,
+                           args=({**qgz, "offload_optimizer": {"device": "cpu"}},))[0]
+    assert both[-1] < 0.8 * both[0] and base[-1] < 0.8 * base[0]
+    assert host == base
