@@ -375,11 +375,13 @@ class FlatUnit:
         """qgZ (qgz.py): the reduce-scatter of `launch_reduce_scatter` as one all-to-all of
         INT4 shards; the pieces of this rank's shard are summed in fp32, then averaged and
         accumulated into `grad_shard` as on the plain path."""
-        recv, work = self.grad_exchange.launch(staged, self.groups.shard)
+        recv, send, work = self.grad_exchange.launch(staged, self.groups.shard)
         self.pool.give_back(staged)  # encoded: the payloads hold what is sent
 
         def finish() -> None:
+            nonlocal send
             work.wait()
+            send = None  # sent: its memory may be reused
             out = self.grad_exchange.summed(recv)
             if self.groups.replicate is not None:
                 comm.all_reduce(out, group=self.groups.replicate)

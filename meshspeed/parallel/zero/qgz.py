@@ -48,14 +48,15 @@ class GradientExchange:
 
     def launch(self, full: torch.Tensor, group):
         """Encode each of the `world` shards of `full` (world * shard_numel elements) and
-        start the all-to-all; returns (received payloads, work handle)."""
+        start the all-to-all; returns (received payloads, sent payloads, work handle): the
+        caller holds the sent ones until the work is waited on."""
         shards = full.view(self.world, self.shard_numel)
         send = torch.empty(self.world, self.payload_bytes, dtype=torch.uint8, device=full.device)
         for j in range(self.world):
             send[j].copy_(self.codec.encode(shards[j]))
         recv = torch.empty_like(send)
         work = comm.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True)
-        return recv, work
+        return recv, send, work
 
     def summed(self, recv: torch.Tensor) -> torch.Tensor:
         """fp32 sum of the pieces of this rank's shard, in rank order (the same additions
