@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -261,9 +260,9 @@ def _fmt_bytes(b: int) -> str:
 
 def table(rows: list[dict], args) -> str:
     by = {r["name"]: r for r in rows}
-    lines = ["| row | all_reduce B | all_gather B | reduce_scatter B | all_to_all B | total B / step / rank "
+    lines = [("| row | all_reduce B | all_gather B | reduce_scatter B | all_to_all B | total B / step / rank "
              "| bytes vs plain | step ms (loopback) | vs plain | step ms (slow link) | vs plain | loss first → last "
-             "| other load |",
+             "| other load |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, spec in ROWS.items():
         if spec is None:
@@ -330,8 +329,8 @@ def markdown(rows, checks, args, command, machine, params, wall_s) -> str:
         *command_and_machine(command, machine),
         table(rows, args),
         "",
-        "Bytes against the formulas of docs/zero.md and docs/compression.md "
-        "(Note [bytes checked against the docs' formulas]):",
+        ("Bytes against the formulas of docs/zero.md and docs/compression.md "
+        "(Note [bytes checked against the docs' formulas]):"),
         "",
         "| row | collective, formula | formula B | measured B | equal |",
         "|---|---|---|---|---|",
