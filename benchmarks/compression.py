@@ -265,6 +265,8 @@ def table(rows: list[dict], args) -> str:
              "| other load |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, spec in ROWS.items():
+        if spec is not None and name not in by:
+            continue
         if spec is None:
             lines.append(f"| {name} | not built in this version ({NOT_BUILT[name]} is refused with a ConfigError) "
                          "| | | | | | | | | | | |")
@@ -273,9 +275,11 @@ def table(rows: list[dict], args) -> str:
         if "unavailable" in r:
             lines.append(f"| {name} | not available: {r['unavailable']} | | | | | | | | | | | |")
             continue
-        p = by[PLAIN[spec[0]]]
+        p = by.get(PLAIN[spec[0]], r)  # a run without the plain row: ratios to itself
+        if "unavailable" in p:
+            p = r
         tot = sum(r["bytes"].values())
-        ptot = sum(p["bytes"].values()) if "unavailable" not in p else 0
+        ptot = sum(p["bytes"].values())
         b = r["bytes"]
         lines.append(
             f"| {name} | {_fmt_bytes(b['all_reduce'])} | {_fmt_bytes(b['all_gather'])} | "
