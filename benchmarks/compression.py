@@ -352,11 +352,11 @@ def markdown(rows, checks, args, command, machine, params, wall_s) -> str:
          "(refused with a ConfigError, docs/zero.md), so there is nothing to time for them."),
         ("- The stage-0 AdamW all-reduce is the fp32 gradient all-reduce plus the step agreement's small "
          "all-reduce (Note [agreement before each step]); the compressed rows keep that small all-reduce."),
-        (f"- Other processes (another engineer's tests) used {min(r['other_load'] for r in ok):.0%} to "
-         f"{max(r['other_load'] for r in ok):.0%} of this 2-core machine during the kept runs, so step times carry "
-         "tens of ms of noise"
-         + (" (a slow-link median below the same row's loopback median, as for "
-            + ", ".join(r["name"] for r in ok if r["slow_ms"] < r["fast_ms"]) + ", is that noise)"
+        (f"- Other processes used {min(r['other_load'] for r in ok):.0%} to "
+         f"{max(r['other_load'] for r in ok):.0%} of this 2-core machine during the kept runs"
+         + (", so step times carry tens of ms of noise" if max(r["other_load"] for r in ok) >= 0.1 else "")
+         + ("; a slow-link median below the same row's loopback median ("
+            + ", ".join(r["name"] for r in ok if r["slow_ms"] < r["fast_ms"]) + ") is run-to-run noise"
             if any(r["slow_ms"] < r["fast_ms"] for r in ok) else "") + "; bytes are exact."),
         ("- On the loopback column the compressed rows pay for encoding and decoding on the same two cores "
          "that compute; the slow-link column is where fewer bytes show."),
