@@ -82,8 +82,32 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return 0
 
     def gradients_local(self) -> bool:
-        """Whether the coming step wants this rank's own gradients (no fp32 all-reduce)."""
-        raise NotImplementedError
+        """Whether the coming step wants this rank's own gradients (no fp32 all-reduce): after
+        `freeze_step` steps, every step (1-bit Adam and LAMB; 0/1 Adam has its own schedule)."""
+        return self.steps_taken() >= self.freeze_step
+
+    @staticmethod
+    def _evaluate(closure: Callable[[], float] | None) -> float | None:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _live_params(self, new_state: Callable[[torch.Tensor], dict]) -> list[tuple]:
+        """(param, state, group) of every parameter with a gradient this step: checked, its
+        state made by `new_state(p)` on first sight, its step counted."""
+        live = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self._check(p)
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, **new_state(p))
+                state["step"] += 1
+                live.append((p, state, group))
+        return live
 
     def _check(self, p: torch.Tensor) -> None:
         if p.grad.is_sparse or p.dtype != torch.float32:
@@ -135,35 +159,17 @@ class OneBitAdam(CompressedOptimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay},
                          cuda_aware=cuda_aware, comm_backend_name=comm_backend_name, group=group)
 
-    def gradients_local(self) -> bool:
-        """After freeze_step, every step: the momentum is what is communicated."""
-        return self.steps_taken() >= self.freeze_step
-
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         compressed = self.gradients_local()
-        live = []  # (param, state, group) of the parameters with a gradient this step
-        for group in self.param_groups:
+        live = self._live_params(lambda p: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
+        for p, state, group in live:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                self._check(p)
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                if not compressed:  # Note [1-bit Adam's two phases]: v frozen afterwards
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                live.append((p, state, group))
+            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            if not compressed:  # Note [1-bit Adam's two phases]: v frozen afterwards
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
         if compressed and self.world > 1 and live:
             self._average_compressed([state["exp_avg"] for _, state, _ in live])
         for p, state, group in live:

@@ -47,28 +47,13 @@ class OneBitLamb(CompressedOptimizer):
         super().__init__(params, defaults, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
                          group=group)
 
-    def gradients_local(self) -> bool:
-        return self.steps_taken() >= self.freeze_step
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         compressed = self.gradients_local()
-        live = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                self._check(p)
-                state = self.state[p]
-                if not state:
-                    state.update(step=0, lamb_coeff_freeze=0.0, last_factor=1.0, exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p), exp_avg_sq_fresh=torch.zeros_like(p))
-                state["step"] += 1
-                live.append((p, state, group))
+        live = self._live_params(lambda p: {
+            "lamb_coeff_freeze": 0.0, "last_factor": 1.0, "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p), "exp_avg_sq_fresh": torch.zeros_like(p)})
         if compressed:
             self._compressed_step(live)
         else:

@@ -89,28 +89,16 @@ class ZeroOneAdam(CompressedOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         t = self._schedule()["step"] + 1
         frozen = t > self.var_freeze_step
         full = not frozen and t % self._schedule()["var_interval"] == 0
         if frozen and t == self.var_freeze_step + 1:
             self._reset_errors()  # they held gradient errors; from now on they hold u's
-        live = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                self._check(p)
-                state = self.state[p]
-                if not state:
-                    state.update(step=0, var_interval=1, var_counter=0, local_step_interval=1,
-                                 local_step_counter=0, lrs=0.0, exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p), anchor=torch.zeros_like(p))
-                state["step"] += 1
-                live.append((p, state, group))
+        live = self._live_params(lambda p: {
+            "var_interval": 1, "var_counter": 0, "local_step_interval": 1, "local_step_counter": 0,
+            "lrs": 0.0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+            "anchor": torch.zeros_like(p)})
         if not live:
             return loss
         grads = [p.grad for p, _, _ in live]
