@@ -28,6 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def enter_rank(rank: int, world: int, port: int) -> None:
+    """A spawned rank's rendezvous variables (torchrun's names) and one intra-op thread."""
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+
 def spawn_ranks(rank_fn: Callable, world: int, plan_path: str, out: str) -> None:
     """`rank_fn(rank, world, port, plan, out)` on `world` spawned processes."""
     import torch.multiprocessing as mp

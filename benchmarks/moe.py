@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -85,7 +84,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also in spawned ranks
 
-from anchor_ranks import ANCHOR_PY, REPO, run_degree, spawn_ranks  # imports no meshspeed
+from anchor_ranks import (  # imports no meshspeed
+    ANCHOR_PY,
+    REPO,
+    enter_rank,
+    run_degree,
+    spawn_ranks,
+)
 from pipeline_worker import LoadMeter  # imports only torch
 
 DOCS_KEY = "moe.py"
@@ -214,9 +219,7 @@ def _parity(layers: dict, x, upstream) -> dict[str, list[float]]:
 
 
 def _rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    enter_rank(rank, world, port)
     import torch.distributed as dist
 
     from meshspeed.moe.layer import MoE as Meshspeed

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -61,7 +60,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also in spawned ranks
 
-from anchor_ranks import ANCHOR_PY, run_degree, spawn_ranks  # imports no meshspeed
+from anchor_ranks import ANCHOR_PY, enter_rank, run_degree, spawn_ranks  # imports no meshspeed
 from pipeline_worker import LoadMeter  # imports only torch
 
 LAYOUTS = {"sbhd": (2, 0, 1), "bshd": (2, 1, 0)}  # (scatter_idx, gather_idx, batch_dim_idx)
@@ -143,9 +142,7 @@ def _parity(classes: dict, rank: int, world: int) -> float:
 
 
 def _rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    enter_rank(rank, world, port)
     import torch.distributed as dist
 
     from meshspeed.sequence.layer import DistributedAttention as Meshspeed
