@@ -356,20 +356,25 @@ class FlatUnit:
             work.wait()
             if staged is not None:
                 self.pool.give_back(staged)
-            if self.groups.replicate is not None:
-                comm.all_reduce(out, group=self.groups.replicate)
-            self._reducing = False
-            out.div_(self.groups.divisor)
-            if direct:
-                self.grad_shard = out
-                return
-            if self.grad_shard is None:
-                self.grad_shard = self._grad_buffer().copy_(out)
-            else:
-                self.grad_shard.add_(out)
-            self.pool.give_back(out)
+            self._settle(out, direct)
+            if not direct:
+                self.pool.give_back(out)
 
         return finish
+
+    def _settle(self, out: torch.Tensor, direct: bool = False) -> None:
+        """This rank's reduced shard `out`: summed over the replicas, averaged, and added to
+        `grad_shard` (`direct`: `out` is the gradient buffer itself and becomes it)."""
+        if self.groups.replicate is not None:
+            comm.all_reduce(out, group=self.groups.replicate)
+        self._reducing = False
+        out.div_(self.groups.divisor)
+        if direct:
+            self.grad_shard = out
+        elif self.grad_shard is None:
+            self.grad_shard = self._grad_buffer().copy_(out)
+        else:
+            self.grad_shard.add_(out)
 
     def _launch_quantized(self, staged: torch.Tensor):
         """qgZ (qgz.py): the reduce-scatter of `launch_reduce_scatter` as one all-to-all of
@@ -382,15 +387,7 @@ class FlatUnit:
             nonlocal send
             work.wait()
             send = None  # sent: its memory may be reused
-            out = self.grad_exchange.summed(recv)
-            if self.groups.replicate is not None:
-                comm.all_reduce(out, group=self.groups.replicate)
-            self._reducing = False
-            out.div_(self.groups.divisor)
-            if self.grad_shard is None:
-                self.grad_shard = self._grad_buffer().copy_(out)
-            else:
-                self.grad_shard.add_(out)
+            self._settle(self.grad_exchange.summed(recv))
 
         return finish
 
