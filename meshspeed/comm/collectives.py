@@ -191,7 +191,7 @@ def _issue(
     start = time.perf_counter()
     work = _launch(op, group, launch, seq, where)
     if counter.has_sinks():
-        counter.record(op, nbytes, time.perf_counter() - start)
+        counter.record(op, nbytes, time.perf_counter() - start, sequence.members(group))
     if work is None and blocked.active():  # a synchronous call blocks for all of it
         blocked.add(op, time.perf_counter() - start)
     return work

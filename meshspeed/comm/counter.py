@@ -58,16 +58,23 @@ def ring_bytes(op: str, nbytes: int, group_size: int) -> int:
 class CommSink(Protocol):
     def on_collective(self, op: str, nbytes: int, seconds: float) -> None: ...
 
+    # optional: `on_group(op, nbytes, ranks)` as well, with the global ranks of the group
+    # the call ran on (a sink that tells links apart, e.g. inside and across nodes)
+
 
 _sinks: list[CommSink] = []
 stats_lock = threading.Lock()  # guards the sink list and every sink's statistics
 
 
-def record(op: str, nbytes: int, seconds: float = 0.0) -> None:
-    """The single counting hook: one call of `op` that moved `nbytes` from this rank."""
+def record(op: str, nbytes: int, seconds: float = 0.0, ranks: tuple[int, ...] = ()) -> None:
+    """The single counting hook: one call of `op` that moved `nbytes` from this rank, on
+    the group of global `ranks`."""
     with stats_lock:
         for sink in _sinks:
             sink.on_collective(op, nbytes, seconds)
+            on_group = getattr(sink, "on_group", None)
+            if on_group is not None:
+                on_group(op, nbytes, ranks)
 
 
 def has_sinks() -> bool:
@@ -107,6 +114,7 @@ class CommCounter:
     def __init__(self) -> None:
         self._calls = dict.fromkeys(COMM_OPS, 0)
         self._bytes = dict.fromkeys(COMM_OPS, 0)
+        self._by_group: dict[tuple[int, ...], dict[str, int]] = {}
 
     def __enter__(self) -> Self:
         attach(self)
@@ -118,6 +126,22 @@ class CommCounter:
     def on_collective(self, op: str, nbytes: int, seconds: float) -> None:
         self._calls[op] += 1
         self._bytes[op] += nbytes
+
+    def on_group(self, op: str, nbytes: int, ranks: tuple[int, ...]) -> None:
+        by_op = self._by_group.setdefault(tuple(sorted(ranks)), dict.fromkeys(COMM_OPS, 0))
+        by_op[op] += nbytes
+
+    def by_group(self) -> dict[tuple[int, ...], dict[str, int]]:
+        """{sorted global ranks of a group: {op: bytes}} for every group a call ran on: which
+        link moved the bytes (ZeRO++ hpZ keeps backward gathers inside a node's group)."""
+        with stats_lock:
+            return {ranks: dict(by_op) for ranks, by_op in self._by_group.items()}
+
+    def bytes_outside(self, ranks) -> int:
+        """Bytes of calls on groups that are not inside `ranks` (e.g. one node's ranks)."""
+        inside = set(ranks)
+        return sum(sum(by_op.values()) for group, by_op in self.by_group().items()
+                   if not inside.issuperset(group))
 
     def summary(self) -> dict[str, dict[str, int]]:
         with stats_lock:
@@ -131,3 +155,4 @@ class CommCounter:
         with stats_lock:
             self._calls = dict.fromkeys(COMM_OPS, 0)
             self._bytes = dict.fromkeys(COMM_OPS, 0)
+            self._by_group = {}

@@ -36,6 +36,7 @@ _AUTOGRAD_APPLY = os.path.join(os.path.dirname(os.path.abspath(torch.autograd.__
 @dataclass
 class GroupHistory:
     ranks: str  # the group's global ranks, "0,1,2"
+    members: tuple[int, ...] = ()  # the same, as numbers
     issued: int = 0  # every call on the group, point-to-point included: the sequence number
     count: int = 0  # group collectives since the last agreement
     digest: int = 0  # Note [collective digest], since the last agreement
@@ -90,7 +91,8 @@ def record(op: str, group: Any, tensor: torch.Tensor | None, same_shape: bool) -
     pg = _pg(group)
     history = _histories.get(id(pg))
     if history is None:
-        history = _histories[id(pg)] = GroupHistory(",".join(map(str, dist.get_process_group_ranks(pg))))
+        members = tuple(dist.get_process_group_ranks(pg))
+        history = _histories[id(pg)] = GroupHistory(",".join(map(str, members)), members)
     seq = history.issued
     history.issued += 1
     where = call_location()
@@ -114,6 +116,12 @@ def take_window(group: Any) -> tuple[int, int, list[Any]]:
     history.count, history.digest = 0, 0
     history.recent.clear()
     return window
+
+
+def members(group: Any) -> tuple[int, ...]:
+    """The global ranks of `group` (one a call was recorded on), in group order."""
+    history = _histories.get(id(_pg(group)))
+    return history.members if history is not None else tuple(dist.get_process_group_ranks(_pg(group)))
 
 
 def peek(group: Any) -> int:

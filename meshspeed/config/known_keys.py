@@ -89,7 +89,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "zero_optimization.use_all_reduce_for_fetch_params",
         "zero_optimization.use_multi_rank_bucket_allreduce",
         "zero_optimization.zenflow",
-        "zero_optimization.zero_hpz_partition_size",
         "zero_optimization.zero_quantized_nontrainable_weights",
         "zero_optimization.zeropp_loco_param",
         "zero_optimization.offload_optimizer.pipeline_read",

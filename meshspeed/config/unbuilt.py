@@ -64,7 +64,6 @@ ASKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fp16.fp16_master_weights_and_grads": (_truthy, "fp16 master weights and gradients"),
     "bf16.bf16_master_weights_and_grads": (_truthy, "bf16 master weights and gradients"),
     "bf16.bf16_optimizer_states": (_truthy, "bf16 optimizer states"),
-    "zero_optimization.zero_hpz_partition_size": (_above(1), "ZeRO++ hierarchical partitioning"),
     "zero_optimization.zero_quantized_nontrainable_weights": (
         _truthy, "ZeRO++ non-trainable weights stored quantized"),
     "zero_optimization.zeropp_loco_param": (_truthy, "ZeRO++ LoCo gradient compression"),

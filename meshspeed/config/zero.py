@@ -58,6 +58,10 @@ class ZeroConfig(StrictModel):
     # ZeRO++ qgZ: stages 2-3 reduce each unit's gradients by one all-to-all of INT4 shards
     # and fp32 scales instead of a reduce-scatter (parallel/zero/qgz.py)
     zero_quantized_gradients: bool = False
+    # ZeRO++ hpZ: stage 3 also keeps each unit partitioned over groups of this many
+    # consecutive ranks (a node) and gathers from there after the forward, so backward's
+    # gathers stay inside the node; 1 keeps no secondary copy (parallel/zero/hpz.py)
+    zero_hpz_partition_size: Annotated[int, BeforeValidator(whole_number)] = 1
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
 
@@ -89,6 +93,17 @@ class ZeroConfig(StrictModel):
             raise ValueError(
                 f"zero_quantized_weights quantizes the parameter all-gathers of stage 3, and stage "
                 f"{self.stage} gathers no parameters around their use; set stage 3 or drop the key")
+        return self
+
+    @model_validator(mode="after")
+    def _hpz_needs_stage3(self):
+        if self.zero_hpz_partition_size < 1:
+            raise ValueError(f"zero_hpz_partition_size must be a positive number of ranks (1: off), "
+                             f"got {self.zero_hpz_partition_size}")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise ValueError(
+                f"zero_hpz_partition_size partitions a second copy of stage 3's parameters, and stage "
+                f"{self.stage} keeps its parameters whole; set stage 3 or drop the key")
         return self
 
     @model_validator(mode="after")

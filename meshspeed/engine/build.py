@@ -40,13 +40,14 @@ from meshspeed.parallel.data.ddp import DataParallel
 from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.parallel.protocol import Strategy
-from meshspeed.parallel.zero import qgz, qwz
+from meshspeed.parallel.zero import hpz, qgz, qwz
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import cast_partitioned, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
 from meshspeed.runtime.distributed import init_distributed
 from meshspeed.runtime.malloc import tune_host_allocator
+from meshspeed.topology.mesh import group_from_layout
 from meshspeed.utils import groups
 
 log = logging.getLogger("meshspeed")
@@ -115,7 +116,8 @@ def initialize(
     tied.broadcast_from_first()  # Note [summing tied gradients over stages]
     placement = offload_placement(cfg)
     experts = _wire_experts(module, topology, placement, device)
-    strategy = _build_strategy(module, dp_group, cfg, placement, experts)
+    strategy = _build_strategy(module, UnitGroups(shard=dp_group, secondary=_hpz_group(cfg, topology)),
+                               cfg, placement, experts)
     if not isinstance(strategy, Strategy):  # a strategy missing part of the protocol
         raise TypeError(f"{type(strategy).__name__} does not implement meshspeed.parallel.protocol.Strategy")
     configure_from_config(cfg, topology)  # the activation_checkpointing block, with the tp group
@@ -257,9 +259,24 @@ def _comm_dtype(cfg: MeshspeedConfig) -> torch.dtype:
     return torch.float32 if name is None else _DTYPES[name]
 
 
-def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement,
+def _hpz_group(cfg: MeshspeedConfig, topology):
+    """ZeRO++ hpZ: this rank's node group of the secondary partition, or None (hpz.py)."""
+    size = cfg.zero_optimization.zero_hpz_partition_size
+    if size == 1:
+        return None
+    try:
+        layout = hpz.node_layout(topology.dims.groups("dp_cp"), size)
+    except ValueError as err:
+        raise ConfigError([f"zero_optimization.{err}"]) from err
+    if size == topology.size("dp_cp") and comm.get_rank() == 0:
+        log.warning("zero_hpz_partition_size %d is the whole ZeRO group: the secondary copy adds "
+                    "memory and moves no fewer bytes; use the ranks of one node", size)
+    return group_from_layout(layout)
+
+
+def _build_strategy(module: nn.Module, groups: UnitGroups, cfg: MeshspeedConfig, placement,
                     experts: ExpertSpec | None = None):
-    z = cfg.zero_optimization
+    z, group = cfg.zero_optimization, groups.shard
     if cfg.zero_stage == 0:
         for p in module.parameters():  # zero.Init slices: data parallelism needs them whole
             if is_partitioned(p):
@@ -268,7 +285,7 @@ def _build_strategy(module: nn.Module, group, cfg: MeshspeedConfig, placement,
                             comm_dtype=_comm_dtype(cfg), overlap_comm=z.overlap_comm, experts=experts,
                             compression=_grad_compression(cfg))
     return Zero(
-        module, UnitGroups(shard=group), stage=cfg.zero_stage, bucket_numel=z.reduce_bucket_size,
+        module, groups, stage=cfg.zero_stage, bucket_numel=z.reduce_bucket_size,
         persistence_threshold=z.stage3_param_persistence_threshold,
         prefetch_numel=z.stage3_prefetch_bucket_size,
         max_live_numel=z.stage3_max_live_parameters, comm_dtype=_comm_dtype(cfg),

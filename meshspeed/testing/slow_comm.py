@@ -12,6 +12,11 @@ it to show results do not depend on when communication completes, and benchmarks
 `comm.BlockedTimer` (exposed time) with and without overlap. Patches
 `meshspeed.comm.collectives` for the duration of the block (test use only); metadata
 (object) collectives are not slowed.
+
+`node_size=K` slows only the links between nodes: ranks [0, K), [K, 2K), ... are nodes,
+and a collective whose group lies inside one node runs at the loopback's own speed, as
+over NVLink, while one spanning nodes takes the slow link (ZeRO++'s setting: hpZ keeps
+backward gathers inside a node).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-from meshspeed.comm import blocked, collectives
+from meshspeed.comm import blocked, collectives, sequence
 
 
 class _DelayedWork:
@@ -44,8 +49,10 @@ def _sleep_until(t: float) -> None:
 
 
 class SlowLink:
-    def __init__(self, latency: float = 0.0, *, seconds_per_mb: float = 0.0) -> None:
-        self.latency, self.seconds_per_mb = latency, seconds_per_mb
+    def __init__(self, latency: float = 0.0, *, seconds_per_mb: float = 0.0, node_size: int | None = None) -> None:
+        if node_size is not None and node_size < 1:
+            raise ValueError(f"node_size must be a positive number of ranks, got {node_size}")
+        self.latency, self.seconds_per_mb, self.node_size = latency, seconds_per_mb, node_size
         self._issue: Any = None
         self._free_at = 0.0
 
@@ -54,12 +61,17 @@ class SlowLink:
         self._free_at = start + self.latency + nbytes / 1e6 * self.seconds_per_mb
         return self._free_at
 
+    def _inside_a_node(self, group: Any) -> bool:
+        if self.node_size is None:
+            return False
+        return len({r // self.node_size for r in sequence.members(group)}) == 1
+
     def __enter__(self) -> Self:
         self._issue = issue = collectives._issue
 
         def slow_issue(op: str, nbytes: int, *args: Any, counted: bool = True, **kwargs: Any) -> Any:
             work = issue(op, nbytes, *args, counted=counted, **kwargs)
-            if not counted:
+            if not counted or self._inside_a_node(args[0] if args else kwargs.get("group")):
                 return work
             ready = self._ready_at(nbytes)
             if work is None:  # the transfer is part of the caller's synchronous collective

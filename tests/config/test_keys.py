@@ -76,7 +76,6 @@ def test_known_unused_keys_accepted_and_logged_once(caplog):
 
 
 @pytest.mark.parametrize("config, says", [
-    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO++ hierarchical"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "ZeRO++ non-trainable"),
     ({"quantize_training": {"enabled": True}}, "quantization-aware training"),
     ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16 optimizer states"),

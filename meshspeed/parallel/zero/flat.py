@@ -46,6 +46,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel.buckets import GradViews
 from meshspeed.parallel.zero.groups import UnitGroups
+from meshspeed.parallel.zero.hpz import SecondaryPartition
 from meshspeed.parallel.zero.init_shards import full_shape, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState, Span
 from meshspeed.parallel.zero.qgz import GradientExchange
@@ -104,7 +105,9 @@ class FlatUnit:
     `weight_block`: stage 3 gathers for training move INT8 weights with one fp32 scale per
     this many elements (ZeRO++ qwZ, qwz.py); gathers for the user stay exact.
     `grad_block`: stages 2-3 reduce gradients by an all-to-all of INT4 shards with one fp32
-    scale per this many elements instead of a reduce-scatter (ZeRO++ qgZ, qgz.py)."""
+    scale per this many elements instead of a reduce-scatter (ZeRO++ qgZ, qgz.py).
+    `groups.secondary`: stage 3 keeps a second copy partitioned over that (node) group and
+    gathers from it until the shard changes (ZeRO++ hpZ, hpz.py)."""
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], groups: UnitGroups, *,
                  shard_params: bool, keep_full_grads: bool, pool: StagingPool,
@@ -171,6 +174,10 @@ class FlatUnit:
         self.quantizer = BlockQuantizer(self.shard_numel, weight_block) \
             if shard_params and weight_block is not None else None
         self._payloads: torch.Tensor | None = None
+        self.secondary = SecondaryPartition(self.layout.padded_numel, groups.secondary, self.dtype, self.device) \
+            if shard_params and groups.secondary is not None else None
+        self._from_store = False  # the gather in flight read the shard from `shard_store`
+        self._from_secondary = False  # ... or is hpZ's, inside the node group
         if grad_block is not None and keep_full_grads:
             raise ValueError(f"unit {name}: quantized gradient exchange (qgZ) needs stage 2 or 3")
         self.grad_exchange = GradientExchange(self.shard_numel, self.world, grad_block) \
@@ -211,15 +218,19 @@ class FlatUnit:
         quantized prefetch already in flight is then dropped and gathered again."""
         if self.state is ParamState.WHOLE:
             raise LifecycleError(f"unit {self.name}: gathered twice (it is already whole)")
-        if self.state is ParamState.GATHERING and exact and self._payloads is not None:
+        quantized = self._payloads is not None or (self._from_secondary and self.quantizer is not None)
+        if self.state is ParamState.GATHERING and exact and quantized:
             self._land()
             self.state = ParamState.SHARDED
         if self.state is ParamState.SHARDED:
             self.gather_async(exact=exact)
-        payloads = self._payloads
+        payloads, primary = self._payloads, not self._from_secondary
         self._land()
         if payloads is not None:
             self.quantizer.decode_gathered(self.flat, payloads)
+        # Note [what the secondary copy holds] in hpz.py: the working weights of training
+        if primary and self.secondary is not None and (self.quantizer is None or not exact):
+            self.secondary.fill(self.flat)
         for p, view in zip(self.params, self.views):
             p.data = view
         self.state = ParamState.WHOLE
@@ -231,6 +242,13 @@ class FlatUnit:
         if self.state is not ParamState.SHARDED:
             raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
         self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+        self.state = ParamState.GATHERING
+        self._from_secondary = self.secondary is not None and self.secondary.fresh and \
+            (self.quantizer is None or not exact)  # an exact gather under qwZ reads the shards
+        if self._from_secondary:  # hpZ: inside the node group
+            self._pending = self.secondary.gather_into(self.flat)
+            return
+        self._from_store = self.shard_store is not None
         if self.shard_store is None:
             shard = self.shard
         else:  # a store may read the shard into our own range (then the gather is in place)
@@ -244,14 +262,14 @@ class FlatUnit:
             self._payloads = payload.new_empty(self.world * payload.numel())
             self._pending = comm.all_gather_into_tensor(self._payloads, payload, group=self.groups.shard,
                                                         async_op=True)
-        self.state = ParamState.GATHERING
 
     def _land(self) -> None:
         """Wait for the all-gather in flight; the shard (and any payloads) are free again."""
         self._pending.wait()
         self._pending = None
         self._payloads = None
-        if self.shard_store is not None:
+        if self._from_store:
+            self._from_store = False
             self.shard_store.done(self)
 
     def release(self, for_user: bool = False) -> None:
@@ -442,6 +460,7 @@ class FlatUnit:
         all-gather this rank's range in place into the flat buffer the parameters view
         (with `wait=False` the work handle is returned: the caller waits); stage 3 writes
         the shard the next gather reads (a unit still whole is released)."""
+        self._shard_changed()
         if not self.shard_params:
             if self.master_buffer is not None:
                 self.shard.copy_(self.master_buffer)
@@ -474,6 +493,7 @@ class FlatUnit:
         """Masters were written from outside the step (`safe_set_full_fp32_param`): the
         parameters follow. Like `publish_masters`, but a stage-3 unit that is whole now
         (inside `GatheredParameters`) stays whole, with the new values."""
+        self._shard_changed()
         if self.shard_params and self.state is ParamState.SHARDED:
             self.publish_masters()
             return
@@ -490,12 +510,19 @@ class FlatUnit:
         """Elements [offset, offset + n) of this rank's shard become `values` (cast); the
         step's publish when the masters live in files. Returns None, or (request, buffer)
         of a write still in flight (the caller waits before the next gather)."""
+        self._shard_changed()
         if self.shard_store is None:
             self.shard[offset : offset + values.numel()].copy_(values)
             return None
         return self.shard_store.write_range(self, offset, values)
 
+    def _shard_changed(self) -> None:
+        """The parameters are about to change: hpZ's secondary copy is stale."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
+
     def _write_shard(self, values: torch.Tensor) -> None:
+        self._shard_changed()
         if self.shard_store is None:
             self.shard.copy_(values)
         else:
@@ -503,7 +530,10 @@ class FlatUnit:
 
     # -- accounting -------------------------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
-        return [self.shard] if self.shard_params else [self.flat]
+        """The resident parameter bytes: the shard (and hpZ's secondary slot), or the flat buffer."""
+        if not self.shard_params:
+            return [self.flat]
+        return [self.shard] + ([] if self.secondary is None else [self.secondary.slot])
 
     def grad_tensors(self) -> list[torch.Tensor]:
         out = [] if self._grad_shard_buf is None else [self._grad_shard_buf]

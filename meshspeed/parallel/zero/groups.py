@@ -2,8 +2,11 @@
 
 A unit shards its state over `shard` and, when `replicate` is set, keeps that shard
 replicated over `replicate` (hybrid sharding: shard within a node, replicate across nodes;
-ZeRO++'s secondary partition and expert-data-parallel groups are further instances). The
-strategy hands each unit its groups; nothing looks a group up from a global.
+expert-data-parallel groups are a further instance). `secondary`, for stage-3 units, is
+ZeRO++ hpZ's group: a few ranks of `shard` (one node) that together hold a second copy of
+the unit, partitioned among them, so that gathers after the first in a step stay inside
+it (hpz.py). The strategy hands each unit its groups; nothing looks a group up from a
+global.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class UnitGroups:
     # what the reduced gradient is divided by; None: `size`. Expert units shard over edp
     # but divide by the whole dp size (Note [expert parameters in the strategies])
     average_over: int | None = None
+    secondary: Any = None  # ZeRO++ hpZ: this rank's group of the secondary partition
 
     @property
     def size(self) -> int:
