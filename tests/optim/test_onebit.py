@@ -220,3 +220,19 @@ def test_local_gradients_agree_on_skipping_and_clipping():
     assert skipped0 == skipped1 == 1
     for name, tensor in state0.items():
         assert torch.equal(tensor, state1[name]) and torch.isfinite(tensor).all(), name
+
+
+def test_a_variance_frozen_too_early_is_warned_about(caplog):
+    """Note [a variance frozen too early]: freeze_step 2 at betas[1] 0.999 freezes 0.2% of
+    the running variance; 693 steps freeze half of it and stay quiet."""
+    import logging
+
+    from meshspeed.optim.onebit import OneBitAdam
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    with caplog.at_level(logging.WARNING, logger="meshspeed"):
+        OneBitAdam([w], freeze_step=693)
+        assert not caplog.records
+        OneBitAdam([w], freeze_step=2)
+    (record,) = caplog.records
+    assert "freeze_step 2" in record.getMessage() and "at least 693 steps" in record.getMessage()
