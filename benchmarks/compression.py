@@ -230,19 +230,7 @@ def run_row(name: str, args) -> dict:
     }
 
 
-# -- formulas (Note [how slow a link]
-What decides whether fewer bytes pay for the encoding is the ratio of a step's compute to
-its transfer time, so the simulated link is scaled as this CPU's compute is. The report
-takes the plain stage-3 row's loopback step, about 6 P T floating-point operations per
-rank (P parameters, T tokens per rank; attention scores left out), as this machine's
-rate R, and an H100's as 400 TFLOP/s (about 40% of its dense bf16 peak). A link of L ms
-per MB here then corresponds to (400 TFLOP/s / R) / L GB/s beside an H100. At R ~ 30
-GFLOP/s per rank the default 50 ms/MB is ~270 GB/s per GPU: faster than the 50 GB/s of a
-400 Gb/s NIC per GPU between nodes, so the default favours the uncompressed rows; 5 ms/MB
-(`--slow-link 5`) would be ~2.7 TB/s, faster than NVLink, and shows the loopback
-regime.
-
-Note [bytes checked against the docs' formulas]) ------------------------------------
+# -- formulas (Note [bytes checked against the docs' formulas]) ------------------------------------
 
 
 def _round4(x: int) -> int:
@@ -419,19 +407,7 @@ def markdown(rows, checks, args, command, machine, params, wall_s) -> str:
         table(rows, args),
         "",
         ("Bytes against the formulas of docs/zero.md and docs/compression.md "
-        "(Note [how slow a link]
-What decides whether fewer bytes pay for the encoding is the ratio of a step's compute to
-its transfer time, so the simulated link is scaled as this CPU's compute is. The report
-takes the plain stage-3 row's loopback step, about 6 P T floating-point operations per
-rank (P parameters, T tokens per rank; attention scores left out), as this machine's
-rate R, and an H100's as 400 TFLOP/s (about 40% of its dense bf16 peak). A link of L ms
-per MB here then corresponds to (400 TFLOP/s / R) / L GB/s beside an H100. At R ~ 30
-GFLOP/s per rank the default 50 ms/MB is ~270 GB/s per GPU: faster than the 50 GB/s of a
-400 Gb/s NIC per GPU between nodes, so the default favours the uncompressed rows; 5 ms/MB
-(`--slow-link 5`) would be ~2.7 TB/s, faster than NVLink, and shows the loopback
-regime.
-
-Note [bytes checked against the docs' formulas]):"),
+        "(Note [bytes checked against the docs' formulas]):"),
         "",
         "| row | collective, formula | formula B | measured B | equal |",
         "|---|---|---|---|---|",
