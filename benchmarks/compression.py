@@ -135,7 +135,7 @@ class CallLog:
 def rank_main(rank: int, name: str, args, port: int, out_file: str) -> None:
     world, node = world_of(name)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_RANK=str(rank % node), LOCAL_WORLD_SIZE=str(node))  # qgZ's two hops
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
@@ -298,8 +298,16 @@ def expected(rows: dict[str, dict]) -> dict[str, dict]:
         # plain reduce-scatters fp32 gradients: (N-1)·4S per unit
         rs = [b // (4 * n1) for op, b, _ in calls if op == "reduce_scatter"]
         p = [4 * -(-(4 * -(-s // 256) + -(-s // 2)) // 4) for s in rs]
-        out["stage3+qgZ"] = {"what": "all_to_all, Σ (N-1)·align4(4·ceil(S/256) + ceil(S/2)) over the units",
-                             "formula": sum(n1 * x for x in p), "measured": g["bytes"]["all_to_all"]}
+        nodes = w // k
+        out["stage3+qgZ"] = {"what": ("all_to_all in two hops, Σ ((L-1)·G + (G-1))·P over the units, "
+                                      f"P = align4(4·ceil(S/256) + ceil(S/2)), L {k} ranks a node, G {nodes} nodes"),
+                             "formula": sum(((k - 1) * nodes + nodes - 1) * x for x in p),
+                             "measured": g["bytes"]["all_to_all"]}
+        out["stage3+qgZ cross-node"] = {"what": "bytes across nodes: plain's with each reduce-scatter's (N-1)·4S "
+                                                "replaced by hop 2's (G-1)·P",
+                                        "formula": plain_a["cross_node"] - sum(n1 * 4 * s for s in rs)
+                                        + sum((nodes - 1) * x for x in p),
+                                        "measured": g["cross_node"]}
     return _equal(out)
 
 
@@ -380,7 +388,7 @@ def markdown(rows, checks, args, command, machine, params, wall_s) -> str:
         ("## Communication compression: ZeRO++ (qwZ, hpZ, qgZ), 1-bit Adam, int8/int4 gradients "
          "(`benchmarks/compression.py`)"
          if args.slow_link == parse_args([]).slow_link else
-         f"### The same rows on a slower simulated link: {args.slow_link:g} ms/MB (`--slow-link {args.slow_link:g}`)"),
+         f"### The same rows on another simulated link: {args.slow_link:g} ms/MB (`--slow-link {args.slow_link:g}`)"),
         "",
         (f"The reference GPT (`meshspeed.models.gpt.GPT`: {args.layers} blocks, d_model {args.d_model}, byte "
          f"vocabulary, {params / 1e6:.2f}M parameters), gloo, one intra-op thread per rank, batch "

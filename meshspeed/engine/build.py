@@ -40,12 +40,12 @@ from meshspeed.parallel.data.ddp import DataParallel
 from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.parallel.protocol import Strategy
-from meshspeed.parallel.zero import hpz, qgz, qwz
+from meshspeed.parallel.zero import nodes, qgz, qwz
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import cast_partitioned, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.strategy import Zero
 from meshspeed.runtime.accelerator import get_accelerator
-from meshspeed.runtime.distributed import init_distributed
+from meshspeed.runtime.distributed import get_local_world_size, init_distributed
 from meshspeed.runtime.malloc import tune_host_allocator
 from meshspeed.topology.mesh import group_from_layout
 from meshspeed.utils import groups
@@ -116,8 +116,7 @@ def initialize(
     tied.broadcast_from_first()  # Note [summing tied gradients over stages]
     placement = offload_placement(cfg)
     experts = _wire_experts(module, topology, placement, device)
-    strategy = _build_strategy(module, UnitGroups(shard=dp_group, secondary=_hpz_group(cfg, topology)),
-                               cfg, placement, experts)
+    strategy = _build_strategy(module, _zero_groups(cfg, topology, dp_group), cfg, placement, experts)
     if not isinstance(strategy, Strategy):  # a strategy missing part of the protocol
         raise TypeError(f"{type(strategy).__name__} does not implement meshspeed.parallel.protocol.Strategy")
     configure_from_config(cfg, topology)  # the activation_checkpointing block, with the tp group
@@ -259,19 +258,37 @@ def _comm_dtype(cfg: MeshspeedConfig) -> torch.dtype:
     return torch.float32 if name is None else _DTYPES[name]
 
 
-def _hpz_group(cfg: MeshspeedConfig, topology):
-    """ZeRO++ hpZ: this rank's node group of the secondary partition, or None (hpz.py)."""
-    size = cfg.zero_optimization.zero_hpz_partition_size
-    if size == 1:
-        return None
+def _zero_groups(cfg: MeshspeedConfig, topology, dp_group) -> UnitGroups:
+    """ZeRO's groups: the dp (x cp) group it shards over and, for ZeRO++, the node groups
+    of hpZ's secondary partition and of qgZ's two hops (parallel/zero/nodes.py)."""
+    z = cfg.zero_optimization
+    size, zero_groups = z.zero_hpz_partition_size, topology.dims.groups("dp_cp")
+    hpz_blocks = secondary = hops = None
     try:
-        layout = hpz.node_layout(topology.dims.groups("dp_cp"), size)
+        if size > 1:
+            hpz_blocks = nodes.blocks(zero_groups, size)
+            secondary = group_from_layout(nodes.inside(hpz_blocks))
+            if size == topology.size("dp_cp") and comm.get_rank() == 0:
+                log.warning("zero_hpz_partition_size %d is the whole ZeRO group: the secondary copy adds "
+                            "memory and moves no fewer bytes; use the ranks of one node", size)
+        if z.zero_quantized_gradients:  # Note [qgZ's two hops]: hpZ's nodes, else the machines'
+            hop_blocks = hpz_blocks or nodes.by_node(zero_groups, get_local_world_size())
+            if 1 < len(hop_blocks[0][0]) < topology.size("dp_cp"):
+                hops = qgz.NodeGroups(intra=group_from_layout(nodes.inside(hop_blocks)),
+                                      inter=group_from_layout(nodes.across(hop_blocks)))
+                _check_places(hops, dp_group)
     except ValueError as err:
-        raise ConfigError([f"zero_optimization.{err}"]) from err
-    if size == topology.size("dp_cp") and comm.get_rank() == 0:
-        log.warning("zero_hpz_partition_size %d is the whole ZeRO group: the secondary copy adds "
-                    "memory and moves no fewer bytes; use the ranks of one node", size)
-    return group_from_layout(layout)
+        raise ConfigError([f"zero_optimization: {err}"]) from err
+    return UnitGroups(shard=dp_group, secondary=secondary, nodes=hops)
+
+
+def _check_places(hops, dp_group) -> None:
+    """qgZ's shard j = g L + l must be node g's rank at place l (ascending group ranks)."""
+    rank, per_node = comm.get_rank(dp_group), hops.per_node
+    if (comm.get_rank(hops.intra), comm.get_rank(hops.inter)) != (rank % per_node, rank // per_node):
+        raise ValueError(f"the ZeRO group's rank order does not follow the global ranks (rank {rank} of it is "
+                         f"place {comm.get_rank(hops.intra)} of node {comm.get_rank(hops.inter)}); qgZ's two "
+                         "hops need ascending groups")
 
 
 def _build_strategy(module: nn.Module, groups: UnitGroups, cfg: MeshspeedConfig, placement,

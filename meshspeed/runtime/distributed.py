@@ -243,6 +243,20 @@ def get_local_rank() -> int:
     return env.local_rank
 
 
+# what launchers call the number of processes on this node
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def get_local_world_size() -> int:
+    """Processes per node, as the launcher set it; without one, the whole world is one node
+    (node i holds global ranks [i L, (i+1) L), as launchers place them)."""
+    for var in _LOCAL_SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _int(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
     value = environ.get(key)
     if value is None:

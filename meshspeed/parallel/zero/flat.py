@@ -180,7 +180,7 @@ class FlatUnit:
         self._from_secondary = False  # ... or is hpZ's, inside the node group
         if grad_block is not None and keep_full_grads:
             raise ValueError(f"unit {name}: quantized gradient exchange (qgZ) needs stage 2 or 3")
-        self.grad_exchange = GradientExchange(self.shard_numel, self.world, grad_block) \
+        self.grad_exchange = GradientExchange(self.shard_numel, self.world, grad_block, groups.nodes) \
             if grad_block is not None else None
         self._staging: torch.Tensor | None = None  # full gradients being collected
         self._arrived = [False] * len(self.params)
@@ -395,17 +395,14 @@ class FlatUnit:
             self.grad_shard.add_(out)
 
     def _launch_quantized(self, staged: torch.Tensor):
-        """qgZ (qgz.py): the reduce-scatter of `launch_reduce_scatter` as one all-to-all of
-        INT4 shards; the pieces of this rank's shard are summed in fp32, then averaged and
-        accumulated into `grad_shard` as on the plain path."""
-        recv, send, work = self.grad_exchange.launch(staged, self.groups.shard)
+        """qgZ (qgz.py): the reduce-scatter of `launch_reduce_scatter` as INT4 all-to-alls
+        (one, or two hops across nodes); the pieces of this rank's shard are summed in fp32,
+        then averaged and accumulated into `grad_shard` as on the plain path."""
+        pending = self.grad_exchange.launch(staged, self.groups.shard)
         self.pool.give_back(staged)  # encoded: the payloads hold what is sent
 
         def finish() -> None:
-            nonlocal send
-            work.wait()
-            send = None  # sent: its memory may be reused
-            self._settle(self.grad_exchange.summed(recv))
+            self._settle(pending.result())
 
         return finish
 

@@ -25,6 +25,7 @@ class UnitGroups:
     # but divide by the whole dp size (Note [expert parameters in the strategies])
     average_over: int | None = None
     secondary: Any = None  # ZeRO++ hpZ: this rank's group of the secondary partition
+    nodes: Any = None  # ZeRO++ qgZ's two hops: a qgz.NodeGroups, or None (one hop)
 
     @property
     def size(self) -> int:

@@ -58,17 +58,3 @@ class SecondaryPartition:
 
     def invalidate(self) -> None:
         self.fresh = False
-
-
-def node_layout(shard_groups: list[list[int]], size: int) -> list[list[int]]:
-    """The hpZ groups: each shard group (global ranks, ascending) cut into consecutive
-    blocks of `size` ranks. Consecutive global ranks share a node (a launcher places
-    LOCAL_WORLD_SIZE consecutive ranks on each), so a block of them stays inside one when
-    `size` divides the node."""
-    out = []
-    for ranks in shard_groups:
-        if len(ranks) % size:
-            raise ValueError(f"zero_hpz_partition_size {size} does not divide the ZeRO group of "
-                             f"{len(ranks)} ranks {ranks}; pick a divisor of {len(ranks)}")
-        out += [sorted(ranks)[i : i + size] for i in range(0, len(ranks), size)]
-    return out

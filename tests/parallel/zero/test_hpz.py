@@ -12,7 +12,7 @@ from meshspeed.comm import counter as comm_counter
 from meshspeed.config import ConfigError, load_config
 from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.parallel.access import safe_get_full_fp32_param, safe_set_full_fp32_param
-from meshspeed.parallel.zero.hpz import node_layout
+from meshspeed.parallel.zero import nodes
 from meshspeed.testing import DistributedTestError, run_distributed
 
 WORLD, NODE = 4, 2
@@ -27,11 +27,16 @@ def test_config_takes_the_key_at_stage_3_and_refuses_it_elsewhere():
         load_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}})
 
 
-def test_node_layout_cuts_each_zero_group_into_consecutive_blocks():
-    assert node_layout([[0, 1, 2, 3, 4, 5, 6, 7]], 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert node_layout([[0, 2, 4, 6], [1, 3, 5, 7]], 2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+def test_node_layouts_of_hpz_and_qgz():
+    assert nodes.blocks([[0, 1, 2, 3, 4, 5, 6, 7]], 4) == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    two = nodes.blocks([[0, 2, 4, 6], [1, 3, 5, 7]], 2)  # dp 4 x tp 2: dp groups are strided
+    assert nodes.inside(two) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert nodes.across(two) == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert nodes.by_node([[0, 2, 4, 6], [1, 3, 5, 7]], 4) == two  # 4 ranks a machine: the same
     with pytest.raises(ValueError, match="does not divide the ZeRO group of 4 ranks"):
-        node_layout([[0, 1, 2, 3]], 3)
+        nodes.blocks([[0, 1, 2, 3]], 3)
+    with pytest.raises(ValueError, match=r"has \[1, 2\] ranks on different nodes"):
+        nodes.by_node([[0, 1, 2]], 2)
 
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, d_model=32)

@@ -194,3 +194,70 @@ def test_with_accumulation_qwz_and_optimizer_offload():
                            args=({**qgz, "offload_optimizer": {"device": "cpu"}},))[0]
     assert both[-1] < 0.8 * both[0] and base[-1] < 0.8 * base[0]
     assert host == base
+
+
+# -- two hops (Note [qgZ's two hops]) -------------------------------------------------------
+
+
+class _Groups:
+    def __init__(self):
+        self.calls = []
+
+    def on_collective(self, op, nbytes, seconds):
+        pass
+
+    def on_group(self, op, nbytes, ranks):
+        if op == "all_to_all":
+            self.calls.append((nbytes, tuple(sorted(ranks))))
+
+
+def _hops(per_node, hpz):
+    """Every all-to-all of one step on 4 ranks, with `per_node` ranks a machine (the
+    launcher's LOCAL_WORLD_SIZE) or hpZ's partition of `hpz`; and the payload size."""
+    import os
+
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    try:
+        torch.manual_seed(0)
+        net = GPT(CFG)
+        config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                        "zero_hpz_partition_size": hpz}}
+        engine, *_ = meshspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = before
+    g = torch.Generator().manual_seed(comm.get_rank())
+    tokens = torch.randint(0, CFG.vocab_size, (2, 17), generator=g)
+    calls = _Groups()
+    comm_counter.attach(calls)
+    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+    engine.step()
+    comm_counter.detach(calls)
+    grads = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    return calls.calls, [u.grad_exchange.payload_bytes for u in engine.strategy.units], grads
+
+
+@pytest.mark.parametrize("per_node, hpz", [(2, 1), (4, 2)])
+def test_across_nodes_two_hops_move_a_node_size_less(per_node, hpz):
+    """4 ranks as 2 nodes of 2 (from the launcher's ranks per node, or hpZ's partition):
+    per unit, hop 1 inside the node moves (L-1) G P, hop 2 among the ranks at the same
+    place moves (G-1) P; one hop moved (N-1) P, (N-L) P of it across nodes."""
+    n, per, nodes_ = 4, 2, 2
+    one, payloads, after_one = run_distributed(_hops, world_size=n, args=(4, 1))[0]
+    two, payloads2, after_two = run_distributed(_hops, world_size=n, args=(per_node, hpz))[0]
+    assert payloads == payloads2 and len(one) == len(payloads) and len(two) == 2 * len(payloads)
+    for (b, g), p in zip(one, payloads):
+        assert g == (0, 1, 2, 3) and b == (n - 1) * p
+    # a unit's hop 2 runs when its reduction is collected, so later units' hop 1 may come first
+    hop1 = sorted(b for b, g in two if g == (0, 1))  # rank 0: node {0, 1}
+    hop2 = sorted(b for b, g in two if g == (0, 2))  # place 0 of both nodes
+    assert hop1 == sorted((per - 1) * nodes_ * p for p in payloads)
+    assert hop2 == sorted((nodes_ - 1) * p for p in payloads)
+    across_one = sum((n - per) * p for p in payloads)
+    across_two = sum(b for b, g in two if g == (0, 2))
+    assert across_two * per == across_one
+    # the sum is quantized twice: the step's update differs, by at most about lr per weight
+    for name, value in after_one.items():
+        assert (after_two[name] - value).abs().max() <= 2.5e-3, name
