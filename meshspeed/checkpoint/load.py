@@ -155,6 +155,25 @@ def _load_loop_state(engine, meta: dict, store: SavedTensors, load_scheduler: bo
     mine = [r for r in meta["ranks"] if r["rank"] == comm.get_rank()]
     if mine and engine.config.checkpoint.load_rng_state:  # a new rank keeps its RNG state
         restore_rng(mine[0]["rng"], lambda key: store.read(mine[0]["file"], key))
+    _load_rank_state(engine, meta, store, mine[0] if mine else None)
+
+
+# Note [rank-local state]
+# Some state belongs to one rank and is not a slice of any parameter: the error-feedback
+# residuals of `gradient_compression` (what this rank's compression has not sent yet).
+# A strategy that has such state gives it as `rank_state()` ({key: tensor}); each rank
+# saves its own in its file, and on load at the same world size each rank reads its own
+# back (`load_rank_state(state, steps)`, with the loaded step count). At another world size
+# the residuals belong to a layout that no longer exists: the strategy restarts them at
+# zero and rank 0 says so. (1-bit Adam's error buffers restart at zero on load, as in
+# DeepSpeed: optim/onebit.py.)
+def _load_rank_state(engine, meta: dict, store: SavedTensors, mine: dict | None) -> None:
+    load = getattr(engine.strategy, "load_rank_state", None)
+    if load is None:
+        return
+    same_world = meta["layout"]["world_size"] == comm.get_world_size()
+    keys = mine.get("rank_state", []) if mine is not None and same_world else []
+    load({k: store.read(mine["file"], f"rank_state/{k}") for k in keys}, engine.global_steps)
 
 
 def _client_state(meta: dict, store: SavedTensors) -> Any:

@@ -134,7 +134,8 @@ def merge_rank(meta: dict[str, Any], info: dict[str, Any]) -> None:
         entry["ranges"].append(saved)
         if (r["optimizer"] or r["scalars"]) and "optimizer_scalars" not in entry:  # has state
             entry["optimizer_scalars"] = r["scalars"]
-    meta["ranks"].append({"rank": rank, "file": file, "rng": info["rng"]})
+    meta["ranks"].append({"rank": rank, "file": file, "rng": info["rng"],
+                          **({"rank_state": info["rank_state"]} if info.get("rank_state") else {})})
     meta["files"][file] = {"bytes": info["bytes"], "sha256": info["sha256"]}
 
 

@@ -227,11 +227,15 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
             ranges[s.name]["tp"] = s.tp.to_json()
     rng, rng_tensors = capture_rng()
     tensors.update(rng_tensors)
+    # Note [rank-local state]: what only this rank holds (e.g. error-feedback residuals)
+    local = engine.strategy.rank_state() if hasattr(engine.strategy, "rank_state") else {}
+    tensors.update({f"rank_state/{k}": v for k, v in local.items()})
     buffers: dict[str, torch.Tensor] = {}
     if rank == 0 or _first_of_stage(engine):
         buffers = persistent_buffers(engine.module)
         tensors.update({f"buffer/{name}": b for name, b in buffers.items()})
-    info = {"rank": rank, "file": rank_file(rank), "ranges": ranges, "rng": rng, "params": params}
+    info = {"rank": rank, "file": rank_file(rank), "ranges": ranges, "rng": rng, "params": params,
+            "rank_state": sorted(local)}
     if rank != 0 and buffers:
         info["buffers"] = {k: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
                            for k, b in buffers.items()}

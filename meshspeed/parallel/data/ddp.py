@@ -24,6 +24,7 @@ square of the local norms, and all skip a step together.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -42,6 +43,8 @@ from meshspeed.parallel.experts import ExpertSpec
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.weak import weak_method
+
+log = logging.getLogger("meshspeed")
 
 
 class _Bucket(GradViews):
@@ -224,6 +227,30 @@ class DataParallel:
             b.bind()
         self._launched = self._averaged = self._local = False
         self._steps += 1
+
+    # -- rank-local state (Note [rank-local state] in checkpoint/load.py) ------------------------
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals of `gradient_compression`, per bucket."""
+        out = {}
+        for i, b in enumerate(self.buckets):
+            for kind, t in zip(("residual", "shard_residual"), (b.compressed.buffers() if b.compressed else [])):
+                out[f"{kind}/{i}"] = t
+        return out
+
+    def load_rank_state(self, state: dict[str, torch.Tensor], steps: int) -> None:
+        """Residuals saved by this rank at the same layout, else zeros; the compression
+        warm-up continues from `steps` optimizer steps."""
+        self._steps = steps
+        mine = self.rank_state()
+        fits = set(state) == set(mine) and all(state[k].shape == t.shape for k, t in mine.items())
+        for k, t in mine.items():
+            if fits:
+                t.copy_(state[k])
+            else:
+                t.zero_()
+        if mine and not fits and comm.get_rank() == 0:
+            log.warning("gradient_compression: the error-feedback residuals restart at zero (the "
+                        "checkpoint was saved at another world size or bucket layout)")
 
     # -- user access (meshspeed/parallel/access.py) -------------------------------------------
     def param_access(self, param: nn.Parameter) -> ParamAccess:

@@ -265,3 +265,41 @@ def test_lossless_topk_trains_as_the_all_reduce():
     full = run_distributed(_volumes, world_size=WORLD, args=({"method": "topk", "topk_ratio": 1.0}, 3000))
     for a, b in zip(plain, full):
         torch.testing.assert_close(b[2], a[2], rtol=1e-6, atol=1e-7)
+
+
+def _resumed(compression, tmp, steps=6, cut=3):
+    """Losses and final parameters of `steps` steps, straight through or saved at `cut`
+    and loaded into a fresh engine (Note [rank-local state])."""
+    def batch(i):
+        g = torch.Generator().manual_seed(100 * i + comm.get_rank())
+        t = torch.randint(0, 64, (4, 17), generator=g)
+        return t[:, :-1], t[:, 1:]
+
+    def run(engine, first, last):
+        out = []
+        for i in range(first, last):
+            loss = engine(*batch(i))
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    straight = _engine(compression)
+    losses = run(straight, 0, steps)
+    first = _engine(compression)
+    resumed = run(first, 0, cut)
+    first.save_checkpoint(tmp, tag="cut")
+    second = _engine(compression, seed=1)  # other initial weights: all of it comes from the file
+    second.load_checkpoint(tmp, tag="cut")
+    resumed += run(second, cut, steps)
+    same = all(torch.equal(a, b) for a, b in zip(straight.module.parameters(), second.module.parameters()))
+    return losses, resumed, same
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "two_hop"])
+def test_a_resumed_run_continues_its_residuals_and_warmup(tmp_path, exchange):
+    """The residuals (both hops') and the warm-up count travel in the checkpoint: saved at
+    step 3 of 6 (warm-up 2) and resumed, the run is the uninterrupted one, bit for bit."""
+    policy = {"method": "int4", "warmup_steps": 2, "exchange": exchange}
+    straight, resumed, same = run_distributed(_resumed, world_size=WORLD, args=(policy, str(tmp_path)))[0]
+    assert resumed == straight and same
