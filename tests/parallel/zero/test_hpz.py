@@ -64,10 +64,10 @@ def _batch(step):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _run(hpz, precision, accumulate, steps, poke):
+def _run(hpz, precision, accumulate, steps, poke, extra=None):
     """Losses and full masters after `steps` micro-steps; `poke`: between the two
     micro-steps of step 1 every weight is written from outside (safe_set_full_fp32_param)."""
-    engine = _engine(hpz, precision, accumulate)
+    engine = _engine(hpz, precision, accumulate, extra)
     losses = []
     for i in range(steps):
         loss = engine(*_batch(i))
@@ -81,15 +81,20 @@ def _run(hpz, precision, accumulate, steps, poke):
     return losses, masters
 
 
-@pytest.mark.parametrize("precision, accumulate, poke", [("fp32", 1, False), ("bf16", 2, True)])
-def test_trains_bit_for_bit_as_plain_stage_3(precision, accumulate, poke):
+OFFLOAD = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+
+
+@pytest.mark.parametrize("precision, accumulate, poke, extra", [
+    ("fp32", 1, False, None), ("bf16", 2, True, None), ("bf16", 2, False, OFFLOAD)])
+def test_trains_bit_for_bit_as_plain_stage_3(precision, accumulate, poke, extra):
     """Backward (and, with accumulation, the later micro-steps) gathers the slots copied
     from forward's gather: the same weights, so the same run (Note [what the secondary copy
     holds]). The poke writes every weight between micro-steps: a copy kept past it would
-    give the second micro-step the old weights and another loss."""
+    give the second micro-step the old weights and another loss. With the shards in host
+    memory (offload_param) the first gather reads them from there and the rest do not."""
     steps = 4 * accumulate
-    plain = run_distributed(_run, world_size=WORLD, args=(1, precision, accumulate, steps, poke))
-    hpz = run_distributed(_run, world_size=WORLD, args=(NODE, precision, accumulate, steps, poke))
+    plain = run_distributed(_run, world_size=WORLD, args=(1, precision, accumulate, steps, poke, extra))
+    hpz = run_distributed(_run, world_size=WORLD, args=(NODE, precision, accumulate, steps, poke, extra))
     for rank in range(WORLD):
         assert hpz[rank][0] == plain[rank][0], rank
         for name, value in plain[rank][1].items():
