@@ -43,9 +43,9 @@ PROBE = textwrap.dedent("""
             return [type(err).__name__, str(err), err.name]
         return None
     out["missing_module"] = error("import deepspeed.ops.transformer")
-    out["missing_package"] = error("from deepspeed.inference.engine import InferenceEngine")
+    out["missing_package"] = error("from deepspeed.nebula.constants import NEBULA_ENABLED")
     out["missing_name"] = error("from deepspeed.accelerator import get_accelerator, nonexistent_thing")
-    out["missing_top"] = error("from deepspeed import init_inference")
+    out["missing_top"] = error("from deepspeed import DeepSpeedTransformerLayer")
     print(json.dumps(out))
 """)
 
@@ -70,11 +70,11 @@ def test_deepspeed_names_are_meshspeed_modules_and_missing_names_say_so(tmp_path
     assert kind == "ModuleNotFoundError" and name == "deepspeed.ops.transformer"
     assert "'deepspeed.ops.transformer'" in message and "not provided" in message
     kind, message, name = out["missing_package"]
-    assert name == "deepspeed.inference" and "meshspeed has no module meshspeed.inference" in message
+    assert name == "deepspeed.nebula" and "meshspeed has no module meshspeed.nebula" in message
     kind, message, _ = out["missing_name"]
     assert kind == "ImportError"
     assert "'nonexistent_thing' from 'deepspeed.accelerator'" in message and "not provided" in message
-    assert "'init_inference' from 'deepspeed'" in out["missing_top"][1]
+    assert "'DeepSpeedTransformerLayer' from 'deepspeed'" in out["missing_top"][1]
 
 
 def test_without_the_shim_deepspeed_is_not_meshspeed(tmp_path):
