@@ -139,11 +139,15 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int, in_features: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weight (out, in) in `dtype` from quantize_tensor's (q, scale)."""
+    """The float weight (out, in) in `dtype` from quantize_tensor's (q, scale).
+
+    The product q * s is formed in fp32 (or in `dtype` if that is wider) and rounded to
+    `dtype` once: a bf16 product of a bf16-rounded scale would round twice."""
     ints = q if bits == 8 else unpack_int4(q, in_features)
     rows, groups = scale.shape
-    w = ints.to(dtype).view(rows, groups, in_features // groups) * scale.to(dtype).unsqueeze(-1)
-    return w.view(rows, in_features)
+    work = dtype if dtype == torch.float64 else torch.float32
+    w = ints.to(work).view(rows, groups, in_features // groups) * scale.to(work).unsqueeze(-1)
+    return w.view(rows, in_features).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------
