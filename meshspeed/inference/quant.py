@@ -287,6 +287,16 @@ def quantize_weights(model: nn.Module, bits: int = 8, group_size: int | None = N
     _check_options(bits, group_size)
     if isinstance(skip, str):
         skip = (skip,)
+    done = [n for n, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedParallelLinear))]
+    if done:
+        raise ValueError(f"{type(model).__name__} already has quantized layers ({done[0]}, ...); "
+                         "quantize_weights runs once per model, on its full-precision weights")
+    names = [n for n, _ in model.named_modules() if n]
+    unmatched = [pat for pat in skip if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
+    if unmatched:
+        raise ValueError(f"skip pattern(s) {unmatched} match no module of {type(model).__name__}; "
+                         "patterns are fnmatch globs on full module names such as 'lm_head' or "
+                         "'*.mlp.down_proj'")
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
@@ -313,8 +323,6 @@ def quantize_weights(model: nn.Module, bits: int = 8, group_size: int | None = N
 
 
 def _kind(module: nn.Module) -> str | None:
-    if isinstance(module, (QuantizedLinear, QuantizedParallelLinear)):
-        return None
     if _is_parallel_linear(module):
         return "parallel"
     if isinstance(module, nn.Linear) or _is_conv1d(module):

@@ -286,6 +286,22 @@ def test_skip_tied_and_embeddings():
     assert g.lm_head.weight is g.transformer.wte.weight
 
 
+def _held_bytes(model) -> int:
+    """Bytes of every distinct parameter and buffer the model holds."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum({t.data_ptr(): t.nbytes for t in tensors}.values())
+
+
+def test_nothing_dequantized_stays_resident():
+    # Note [dequantize per call]: after forwards, the model holds no float copy of a
+    # quantized weight: exactly the fp32 linears' bytes are replaced by weight_bytes.
+    model = llama()
+    before, linear_bytes = _held_bytes(model), sum(w.nbytes for w in _linears(model).values())
+    quantize_weights(model, 4, 32)
+    _logits(model, _prompts(2))
+    assert _held_bytes(model) == before - linear_bytes + weight_bytes(model)
+
+
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="bits must be 8 or 4"):
         quantize_weights(llama(), 3)
@@ -295,6 +311,11 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match=r"group_size 48 does not divide model\.layers\.0\.self_attn\.q_proj's 64"):
         quantize_weights(model, 8, 48)
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())  # nothing replaced
+    with pytest.raises(ValueError, match=r"skip pattern\(s\) \['lm_haed'\] match no module"):
+        quantize_weights(model, 8, skip=("lm_haed",))
+    quantize_weights(model, 8)
+    with pytest.raises(ValueError, match="already has quantized layers"):
+        quantize_weights(model, 4)
 
 
 # ------------------------------------------------------------------ tensor parallelism
