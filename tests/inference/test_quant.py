@@ -154,6 +154,15 @@ def test_forward_is_linear_of_the_dequantized_weight(bits, group):
         want = F.linear(x, w, lin.bias)
         assert torch.equal(q(x), want)
         assert_close(chunked(x), want, rtol=1e-6, atol=1e-6)  # per-chunk GEMMs may block differently
+    big = torch.nn.Linear(1024, 300)  # 300 * 1024 > 2^18: CPU default takes chunks of 256 rows
+    auto, whole = QuantizedLinear.from_module(big, bits, group), QuantizedLinear.from_module(
+        big, bits, group, chunk_rows=300)
+    cpu = torch.device("cpu")
+    assert (auto.rows_per_chunk(cpu), whole.rows_per_chunk(cpu)) == (256, 300)
+    x = torch.randn(2, 3, 1024)
+    with torch.no_grad():
+        assert torch.equal(whole(x), F.linear(x, whole.dequantize(), big.bias))
+        assert_close(auto(x), whole(x), rtol=1e-6, atol=1e-6)
     xb = torch.randn(4, 32).bfloat16()
     got = q(xb)  # fp32 scales and bias, bf16 compute
     assert got.dtype == torch.bfloat16
