@@ -295,8 +295,8 @@ def quantize_weights(model: nn.Module, bits: int = 8, group_size: int | None = N
     Replaced: nn.Linear and HF Conv1D by QuantizedLinear, tensor-parallel column/row layers
     by QuantizedParallelLinear. Left in full precision: modules whose name matches a
     pattern in `skip` (fnmatch, e.g. "lm_head", "*.mlp.*"), embeddings and everything that
-    is not a linear, and linears whose weight is tied to another module (Note [tied
-    weights stay full precision]). bits: 8 or 4. group_size: None for one scale per output
+    is not a linear, linears whose weight is tied to another module (Note [tied
+    weights stay full precision]) and nn.MultiheadAttention's out_proj (read, not called). bits: 8 or 4. group_size: None for one scale per output
     channel, else one per `group_size` input elements (must divide every quantized layer's
     input width -- for a row-parallel layer, its local width). chunk_rows: see Note
     [dequantize per call]. Every layer is checked before any is replaced.
@@ -322,7 +322,7 @@ def quantize_weights(model: nn.Module, bits: int = 8, group_size: int | None = N
         if not name or any(fnmatch.fnmatchcase(name, pat) for pat in skip):
             continue
         kind = _kind(module)
-        if kind is None or uses.get(id(module.weight), 0) > 1:
+        if kind is None or uses.get(id(module.weight), 0) > 1 or _read_by_parent(model, name):
             continue
         todo.append((name, module, kind))
     problems = [p for p in (_problem(n, m, k, group_size) for n, m, k in todo) if p]
@@ -345,6 +345,14 @@ def _kind(module: nn.Module) -> str | None:
     if isinstance(module, nn.Linear) or _is_conv1d(module):
         return "linear"
     return None
+
+
+def _read_by_parent(model: nn.Module, name: str) -> bool:
+    """nn.MultiheadAttention reads its out_proj's weight itself instead of calling it, so a
+    replacement would never run: such linears stay full precision."""
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    return isinstance(parent, nn.MultiheadAttention)
 
 
 def _problem(name: str, module: nn.Module, kind: str, group_size: int | None) -> str | None:

@@ -311,6 +311,14 @@ def test_nothing_dequantized_stays_resident():
     assert _held_bytes(model) == before - linear_bytes + weight_bytes(model)
 
 
+def test_multihead_attention_out_proj_kept():
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.MultiheadAttention(8, 2))
+    quantize_weights(model, 8)
+    assert isinstance(model[0], QuantizedLinear)
+    assert type(model[1].out_proj).__name__ == "NonDynamicallyQuantizableLinear"
+
+
 def test_bad_options_are_named():
     with pytest.raises(ValueError, match="bits must be 8 or 4"):
         quantize_weights(llama(), 3)
