@@ -117,6 +117,8 @@ def quantize_tensor(weight: torch.Tensor, bits: int = 8, group_size: int | None 
     _check_options(bits, group_size)
     if weight.dim() != 2:
         raise ValueError(f"{name} must be 2-D (out, in), got shape {tuple(weight.shape)}")
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError(f"{name} holds inf or NaN values; only finite weights can be quantized")
     out_f, in_f = weight.shape
     g = in_f if group_size is None else group_size
     if in_f % g:
@@ -155,8 +157,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, bits: int, in_features: int
     ints = q if bits == 8 else unpack_int4(q, in_features)
     rows, groups = scale.shape
     work = dtype if dtype == torch.float64 else torch.float32
-    w = ints.to(work).view(rows, groups, in_features // groups) * scale.to(work).unsqueeze(-1)
-    return w.view(rows, in_features).to(dtype)
+    w = ints.to(work).reshape(rows, groups, in_features // groups) * scale.to(work).unsqueeze(-1)
+    return w.reshape(rows, in_features).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------

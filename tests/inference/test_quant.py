@@ -169,6 +169,19 @@ def test_forward_is_linear_of_the_dequantized_weight(bits, group):
     assert_close(got, F.linear(xb, w.bfloat16(), lin.bias.bfloat16()), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_odd_input_width(bits):
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(7, 5)
+    q = QuantizedLinear.from_module(lin, bits)
+    assert q.qweight.shape == (5, 7 if bits == 8 else 4)
+    w = q.dequantize()
+    assert bool(((w - lin.weight).abs() <= q.scale * (0.5 + 2e-5)).all())
+    x = torch.randn(3, 7)
+    with torch.no_grad():
+        assert torch.equal(q(x), F.linear(x, w, lin.bias))
+
+
 def test_conv1d_is_quantized_in_its_transposed_layout():
     conv = transformers.pytorch_utils.Conv1D(24, 16)  # nf=24 out, nx=16 in; weight (16, 24)
     with torch.no_grad():
@@ -331,6 +344,8 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match=r"skip pattern\(s\) \['lm_haed'\] match no module"):
         quantize_weights(model, 8, skip=("lm_haed",))
     quantize_weights(model, 8)
+    with pytest.raises(ValueError, match="holds inf or NaN"):
+        quantize_tensor(torch.tensor([[1.0, float("nan")]]))
     with pytest.raises(ValueError, match="already has quantized layers"):
         quantize_weights(model, 4)
 
