@@ -170,7 +170,9 @@ class QuantizedLinear(nn.Module):
 
     Buffers `qweight` (int8 (out, in) or packed uint8 (out, ceil(in/2))) and `scale`
     ((out, in // group_size), scale_dtype); `bias` a frozen Parameter in the original
-    dtype, or None. Inference only: nothing here has a gradient."""
+    dtype, or None. Inference only: nothing here has a gradient. Cast a model to its
+    serving dtype before quantizing it: Module.to(dtype) casts floating buffers, so it
+    would turn the fp32 scales into that dtype too (Note [symmetric absmax quantization])."""
 
     def __init__(self, in_features: int, out_features: int, bits: int = 8,
                  group_size: int | None = None, *, bias: bool = True,
