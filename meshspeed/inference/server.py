@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -53,6 +54,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None  # "stop" or "length" once done
     state: RequestState = RequestState.WAITING
+    # Made at the first draw, on the logits' device (a CUDA draw needs a CUDA generator).
     generator: torch.Generator | None = field(default=None, repr=False)
 
     @property
@@ -112,6 +114,8 @@ class Server:
             runner = runner_for(runner_or_model)
         if max_tokens is None:
             max_tokens = runner.max_positions
+        if cache not in ("paged", "contiguous"):
+            raise ValueError(f"cache={cache!r} is not a cache kind; use 'paged' or 'contiguous'")
         if max_batch < 1 or max_tokens < 1 or block_size < 1:
             raise ValueError(f"max_batch={max_batch}, max_tokens={max_tokens} and "
                              f"block_size={block_size} must all be at least 1")
@@ -132,6 +136,10 @@ class Server:
         self._next_id = 0
         self._reserved_blocks = 0  # sum of running requests' worst-case blocks (paged)
         self._events: list[tuple[Request, int]] | None = None  # tokens made, while streaming
+        self._device_seen: torch.device | None = None  # where the runner's logits live
+        # submit() may be called from another thread than the one stepping; the lock guards
+        # the id counter and the waiting queue (nothing else is shared with submit).
+        self._lock = threading.Lock()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -144,7 +152,7 @@ class Server:
         keyword arguments do_sample / temperature / top_k / top_p / seed. A request whose
         prompt + max_new_tokens can never fit is rejected here, not left waiting forever.
         """
-        prompt = torch.as_tensor(prompt_ids).to(device=self._device(), dtype=torch.long)
+        prompt = torch.as_tensor(prompt_ids).to(dtype=torch.long)
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape "
                              f"{tuple(prompt.shape)}")
@@ -157,29 +165,32 @@ class Server:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         params = _sampling_from(sampling, sampling_kwargs)
         stops = frozenset(int(t) for t in (stop_token_ids or ()))
-        request = Request(self._next_id, prompt, max_new_tokens, params, stops, on_token)
-        self._check_fits(request)
-        request.generator = params.generator(self._device())
-        self._next_id += 1
-        self.waiting.append(request)
+        self._check_fits(prompt, max_new_tokens)
+        with self._lock:
+            request = Request(self._next_id, prompt, max_new_tokens, params, stops, on_token)
+            self._next_id += 1
+            self.waiting.append(request)
         return request
 
-    def _check_fits(self, request: Request) -> None:
-        need = request.reserve
+    def _check_fits(self, prompt: torch.Tensor, max_new_tokens: int) -> None:
+        need = prompt.numel() + max_new_tokens
         if need > self.max_tokens:
-            raise ValueError(f"request needs {request.prompt.numel()} prompt + "
-                             f"{request.max_new_tokens} new = {need} tokens, more than the "
-                             f"server's max_tokens={self.max_tokens}")
+            raise ValueError(f"request needs {prompt.numel()} prompt + {max_new_tokens} new = "
+                             f"{need} tokens, more than the server's max_tokens={self.max_tokens}")
         if self.cache.kind == "paged" and self._blocks(need) > self.pool_blocks:
             raise ValueError(f"request needs {need} tokens = {self._blocks(need)} blocks of "
                              f"{self.block_size}, more than the whole pool of {self.pool_blocks} "
                              f"blocks")
 
     def _blocks(self, tokens: int) -> int:
-        return math.ceil(tokens / self.block_size) if self.cache.kind == "paged" else 0
+        """Pool units a sequence of `tokens` takes: blocks (paged) or one slot (contiguous)."""
+        return math.ceil(tokens / self.block_size) if self.cache.kind == "paged" else 1
 
     def _device(self) -> torch.device:
-        return getattr(self.runner, "device", torch.device("cpu"))
+        """Where token ids go: the runner's device if it names one, else where its logits
+        came back (the protocol leaves device placement to the runner)."""
+        device = getattr(self.runner, "device", None) or self._device_seen
+        return torch.device(device) if device is not None else torch.device("cpu")
 
     @property
     def idle(self) -> bool:
@@ -195,8 +206,9 @@ class Server:
         busy = bool(self.waiting or self.running)
         admitted = self._admit()
         if admitted:
+            device = self._device()
             logits = self.runner.prefill(self.cache, [r.id for r in admitted],
-                                         [r.prompt for r in admitted])
+                                         [r.prompt.to(device) for r in admitted])
             self.stats.prefill_calls += 1
             finished += self._emit(admitted, logits)
         if self.running:
@@ -221,20 +233,21 @@ class Server:
         waiting request does not fit, younger ones wait behind it (no starvation).
         """
         admitted: list[Request] = []
-        while self.waiting and len(self.running) < self.max_batch:
-            head = self.waiting[0]
-            blocks = self._blocks(head.reserve)
-            if self._reserved_blocks + blocks > self.pool_blocks:
-                break
-            # can_admit sees the cache as it is before this step's prefill: it cannot know of
-            # the requests admitted just above, which the reservation count covers.
-            if not self.cache.can_admit(head.reserve):
-                break
-            self.waiting.popleft()
-            head._move(RequestState.WAITING, RequestState.RUNNING)
-            self._reserved_blocks += blocks
-            self.running.append(head)
-            admitted.append(head)
+        with self._lock:
+            while self.waiting and len(self.running) < self.max_batch:
+                head = self.waiting[0]
+                blocks = self._blocks(head.reserve)
+                if self._reserved_blocks + blocks > self.pool_blocks:
+                    break
+                # can_admit sees the cache as it is before this step's prefill: it cannot
+                # know of the requests admitted just above, which the reservation covers.
+                if not self.cache.can_admit(head.reserve):
+                    break
+                self.waiting.popleft()
+                head._move(RequestState.WAITING, RequestState.RUNNING)
+                self._reserved_blocks += blocks
+                self.running.append(head)
+                admitted.append(head)
         return admitted
 
     def _emit(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:
@@ -243,6 +256,7 @@ class Server:
         if logits.shape[0] != len(batch):
             raise RuntimeError(f"the runner returned {logits.shape[0]} rows of logits for "
                                f"{len(batch)} sequences")
+        self._device_seen = logits.device
         picks = self._pick(batch, logits)
         finished = []
         for request, token in zip(batch, picks):
@@ -270,6 +284,8 @@ class Server:
                 picks[i] = t
         for i, r in enumerate(batch):
             if not r.sampling.greedy:
+                if r.generator is None and r.sampling.seed is not None:
+                    r.generator = r.sampling.generator(logits.device)
                 # One row at a time: a request's draw uses only its own generator, so its
                 # tokens do not depend on its neighbours in the batch.
                 picks[i] = int(next_tokens(logits[i : i + 1], r.sampling, r.generator)[0])

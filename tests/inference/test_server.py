@@ -8,6 +8,8 @@ difference between the server's output and a request run alone is then the serve
 """
 
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -248,6 +250,27 @@ def test_requests_that_can_never_fit_are_rejected_with_the_numbers(model):
         Server(RefRunner(model), max_tokens=99)
     with pytest.raises(ValueError, match="must all be at least 1"):
         Server(RefRunner(model), max_batch=0)
+    with pytest.raises(ValueError, match="cache='pagd' is not a cache kind; use 'paged' or 'contiguous'"):
+        Server(RefRunner(model), cache="pagd")
+
+
+def test_requests_may_be_submitted_from_another_thread_while_the_server_steps(model):
+    server = Server(RefRunner(model), max_batch=4, max_tokens=32)
+    prompts = [prompt(2 + s % 3, s) for s in range(6)]
+    reqs = []
+
+    def client():
+        for p in prompts:
+            reqs.append(server.submit(p, 3))
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    while thread.is_alive() or not server.idle:
+        server.step()
+    thread.join()
+    assert sorted(r.id for r in reqs) == list(range(6))
+    assert [r.tokens for r in reqs] == [alone(model, p, 3) for p in prompts]
 
 
 def sampled(model, neighbours, **params):
