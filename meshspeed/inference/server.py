@@ -248,6 +248,14 @@ class Server:
                 self._reserved_blocks += blocks
                 self.running.append(head)
                 admitted.append(head)
+            if self.waiting and not self.running:
+                # Nothing runs, so nothing will free blocks: this request would wait forever.
+                head = self.waiting[0]
+                raise RuntimeError(
+                    f"request {head.id} ({head.reserve} tokens) cannot be admitted into an idle "
+                    f"server: the cache has {self.cache.free_blocks()} of {self.pool_blocks} "
+                    f"blocks free, so it holds sequences the server does not know of, or it "
+                    f"refuses what fits its pool")
         return admitted
 
     def _emit(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:

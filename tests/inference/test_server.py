@@ -215,6 +215,14 @@ def test_admission_waits_for_blocks_then_proceeds_first_come_first_served(model)
     assert b.tokens == alone(model, prompt(4, 2), 4) and c.tokens == alone(model, prompt(1, 3), 3)
 
 
+def test_a_request_that_an_idle_server_cannot_admit_is_an_error_not_a_hang(model):
+    server = Server(RefRunner(model), max_batch=2, max_tokens=16, block_size=4, num_blocks=4)
+    server.cache.append(99, [1] * 13)  # a sequence the server never admitted: 4 blocks
+    server.submit(prompt(3, 1), 2)
+    with pytest.raises(RuntimeError, match=r"request 0 \(5 tokens\) cannot be admitted into an idle server: the cache has 0 of 4 blocks free"):
+        server.step()
+
+
 def test_the_batch_never_exceeds_max_batch(model):
     runner = RefRunner(model)
     server = Server(runner, max_batch=2, max_tokens=32)
