@@ -11,7 +11,8 @@ Each `step` is one scheduling round (Orca, Yu et al., OSDI 2022, "iteration-leve
 scheduling"): admit waiting requests at the boundary, then one batched decode of every
 running request. A request that finishes leaves the batch and frees its cache blocks in
 that step, so the next step can admit a waiting request into its place; static batching
-would hold the slot until the batch's longest request finished.
+would hold the slot until the batch's longest request finished (throughput.py measures
+the difference).
 
 The server speaks only the `Runner` / `Cache` protocols (protocol.py); a plain model is
 wrapped by `meshspeed.inference.runners.runner_for`. Under tensor parallelism every rank
@@ -24,7 +25,6 @@ from __future__ import annotations
 import enum
 import math
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -342,75 +342,3 @@ class Server:
         self.run_until_done()
         return [r.tokens for r in requests]
 
-
-def static_batches(runner: Runner, requests: Sequence[tuple[torch.Tensor, int]], *, max_batch: int,
-               max_tokens: int | None = None, block_size: int = 16,
-               cache: str = "paged") -> ServerStats:
-    """Static batching of the same requests, for comparison with `Server` (greedy).
-
-    Requests are taken max_batch at a time, in order; a batch is prefilled together and
-    decoded until its last member finishes, and only then does the next batch start. The
-    ServerStats returned counts prefill calls, decode steps and tokens (not `steps`).
-    Finished members drop out of the decode calls (a cheaper static batching than padding
-    them along), so the decode-step count is what the comparison is about."""
-    max_tokens = max_tokens or runner.max_positions
-    kv = runner.new_cache(cache, max_batch=max_batch, max_tokens=max_tokens,
-                          block_size=block_size)
-    stats = ServerStats()
-    device = getattr(runner, "device", torch.device("cpu"))
-    for start in range(0, len(requests), max_batch):
-        group = list(requests[start : start + max_batch])
-        ids = list(range(start, start + len(group)))
-        prompts = [torch.as_tensor(p).to(device=device, dtype=torch.long) for p, _ in group]
-        logits = runner.prefill(kv, ids, prompts)
-        stats.prefill_calls += 1
-        out = {i: [int(t)] for i, t in zip(ids, logits.argmax(dim=-1).tolist())}
-        todo = {i: n for i, (_, n) in zip(ids, group)}
-        stats.tokens += len(group)
-        live = [i for i in ids if todo[i] > 1]
-        for i in set(ids) - set(live):
-            kv.free(i)
-        while live:
-            last = torch.tensor([out[i][-1] for i in live], dtype=torch.long, device=device)
-            picks = runner.decode(kv, live, last).argmax(dim=-1).tolist()
-            stats.decode_steps += 1
-            stats.tokens += len(live)
-            for i, t in zip(live, picks):
-                out[i].append(t)
-            for i in [i for i in live if len(out[i]) >= todo[i]]:
-                kv.free(i)
-            live = [i for i in live if len(out[i]) < todo[i]]
-    return stats
-
-
-def compare_batching(runner: Runner, requests: Sequence[tuple[torch.Tensor, int]], *,
-                     max_batch: int = 8, max_tokens: int | None = None, block_size: int = 16,
-                     cache: str = "paged") -> dict[str, dict[str, float]]:
-    """Throughput of static batching against continuous batching on the same requests
-    ((prompt, max_new_tokens) pairs, all arriving at once, greedy, no stop tokens).
-
-    Returns {"static": ..., "continuous": ...}, each with tokens, decode_steps, seconds and
-    tokens_per_s. Timing is wall clock on whatever device the runner uses (synchronised on
-    CUDA); the token counts are equal by construction."""
-    def timed(fn):
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        stats = fn()
-        sync()
-        seconds = time.perf_counter() - t0
-        return {"tokens": stats.tokens, "decode_steps": stats.decode_steps,
-                "seconds": seconds, "tokens_per_s": stats.tokens / max(seconds, 1e-9)}
-
-    def continuous() -> ServerStats:
-        server = Server(runner, max_batch=max_batch, max_tokens=max_tokens,
-                        block_size=block_size, cache=cache)
-        for prompt, n in requests:
-            server.submit(prompt, n)
-        server.run_until_done()
-        return server.stats
-
-    return {"static": timed(lambda: static_batches(runner, requests, max_batch=max_batch,
-                                               max_tokens=max_tokens, block_size=block_size,
-                                               cache=cache)),
-            "continuous": timed(continuous)}

@@ -1,13 +1,11 @@
 """meshspeed.inference.Server: continuous batching against a reference runner.
 
-The reference runner keeps each sequence's tokens and recomputes the reference GPT over the
-whole sequence on every call, one sequence at a time, so its logits for a sequence cannot
-depend on the batch; its cache counts blocks like a paged pool (allocated as tokens
-arrive, an error when the pool runs dry) so admission and freeing are observable. Any
-difference between the server's output and a request run alone is then the server's.
+The reference runner (_ref_runner.py) computes each sequence alone, so its logits cannot
+depend on the batch, and its cache counts blocks like a paged pool, so admission and
+freeing are observable. Any difference between the server's output and the request run
+alone through the model's own generate is then the server's.
 """
 
-import math
 import threading
 import time
 
@@ -16,93 +14,11 @@ import torch
 
 from meshspeed.inference.protocol import Cache, Runner
 from meshspeed.inference.sampling import SamplingParams
-from meshspeed.inference.server import (
-    RequestState,
-    Server,
-    compare_batching,
-    static_batches,
-)
+from meshspeed.inference.server import RequestState, Server
 from meshspeed.models.gpt import GPT, GPTConfig
+from tests.inference._ref_runner import VOCAB, RefRunner
 
 torch.set_num_threads(1)
-
-VOCAB = 64
-
-
-class RefCache:
-    """Tokens per sequence; blocks counted, taken as a sequence grows (paged) or one slot
-    per sequence (contiguous)."""
-
-    def __init__(self, kind, max_batch, max_tokens, block_size, num_blocks):
-        if kind not in ("paged", "contiguous"):
-            raise ValueError(f"unknown cache kind {kind!r}")
-        self.kind = kind
-        self.block_size = block_size
-        self.max_tokens = max_tokens
-        if kind == "paged":
-            self.num_blocks = num_blocks or max_batch * math.ceil(max_tokens / block_size)
-        else:
-            self.num_blocks = max_batch
-        self.seqs: dict[int, list[int]] = {}
-
-    def held(self, seq_id):
-        if self.kind == "contiguous":
-            return 1
-        return math.ceil(len(self.seqs[seq_id]) / self.block_size)
-
-    def length(self, seq_id):
-        return len(self.seqs[seq_id])
-
-    def free(self, seq_id):
-        del self.seqs[seq_id]
-
-    def free_blocks(self):
-        return self.num_blocks - sum(self.held(s) for s in self.seqs)
-
-    def can_admit(self, tokens):
-        if self.kind == "contiguous":
-            return self.free_blocks() >= 1 and tokens <= self.max_tokens
-        return self.free_blocks() >= math.ceil(tokens / self.block_size)
-
-    def append(self, seq_id, tokens):
-        self.seqs.setdefault(seq_id, []).extend(tokens)
-        if self.free_blocks() < 0:
-            raise RuntimeError("cache pool exhausted")
-        if len(self.seqs[seq_id]) > self.max_tokens:
-            raise RuntimeError(f"sequence {seq_id} passed max_tokens")
-
-
-class RefRunner:
-    def __init__(self, model: GPT):
-        self.model = model
-        self.vocab_size = model.config.vocab_size
-        self.max_positions = model.config.max_seq_len
-        self.calls: list[tuple[str, list[int]]] = []  # ("prefill" | "decode", seq ids)
-
-    def new_cache(self, kind, max_batch, max_tokens, block_size=16, num_blocks=None):
-        self.cache = RefCache(kind, max_batch, max_tokens, block_size, num_blocks)
-        return self.cache
-
-    @torch.no_grad()
-    def _last_logits(self, cache, seq_ids):
-        rows = [self.model(torch.tensor([cache.seqs[i]]))[0, -1] for i in seq_ids]
-        return torch.stack(rows).float()
-
-    def prefill(self, cache, seq_ids, prompts):
-        self.calls.append(("prefill", list(seq_ids)))
-        for i, p in zip(seq_ids, prompts):
-            if i in cache.seqs:
-                raise RuntimeError(f"sequence {i} already in the cache")
-            cache.append(i, p.tolist())
-        return self._last_logits(cache, seq_ids)
-
-    def decode(self, cache, seq_ids, tokens):
-        self.calls.append(("decode", list(seq_ids)))
-        for i, t in zip(seq_ids, tokens.tolist()):
-            if i not in cache.seqs:
-                raise RuntimeError(f"sequence {i} is not in the cache")
-            cache.append(i, [t])
-        return self._last_logits(cache, seq_ids)
 
 
 @pytest.fixture(scope="module")
@@ -318,20 +234,6 @@ def test_generate_all_returns_each_prompts_tokens_in_order(model):
     assert out == [alone(model, p, n) for p, n in zip(prompts, [5, 2, 6])]
     with pytest.raises(ValueError, match="max_new_tokens has 2 entries for 3 prompts"):
         server.generate_all(prompts, [1, 2])
-
-
-def test_continuous_batching_takes_fewer_decode_steps_than_static(model):
-    news = [12, 2, 2, 2, 12, 2, 2, 2]  # mixed lengths: static batches wait for the long ones
-    requests = [(prompt(3 + s % 4, s), n) for s, n in enumerate(news)]
-    result = compare_batching(RefRunner(model), requests, max_batch=4, max_tokens=32)
-    static, cont = result["static"], result["continuous"]
-    assert static["tokens"] == cont["tokens"] == sum(news)
-    # static: two batches of 4, each decoding until its 12-token request ends: 2 * 11 steps.
-    assert static["decode_steps"] == 22
-    assert cont["decode_steps"] < static["decode_steps"]
-    assert cont["tokens_per_s"] > 0 and static["tokens_per_s"] > 0
-    stats = static_batches(RefRunner(model), requests, max_batch=8, max_tokens=32)
-    assert stats.decode_steps == 11 and stats.prefill_calls == 1
 
 
 def test_a_model_is_wrapped_by_runner_for(model):
