@@ -134,7 +134,7 @@ class Server:
         self.running: list[Request] = []
         self.stats = ServerStats()
         self._next_id = 0
-        self._reserved_blocks = 0  # sum of running requests' worst-case blocks (paged)
+        self._reserved_blocks = 0  # running requests' worst-case blocks (contiguous: slots)
         self._events: list[tuple[Request, int]] | None = None  # tokens made, while streaming
         self._device_seen: torch.device | None = None  # where the runner's logits live
         # submit() may be called from another thread than the one stepping; the lock guards
@@ -152,7 +152,11 @@ class Server:
         keyword arguments do_sample / temperature / top_k / top_p / seed. A request whose
         prompt + max_new_tokens can never fit is rejected here, not left waiting forever.
         """
-        prompt = torch.as_tensor(prompt_ids).to(dtype=torch.long)
+        prompt = torch.as_tensor(prompt_ids)
+        if prompt.numel() and (prompt.is_floating_point() or prompt.is_complex()
+                               or prompt.dtype == torch.bool):
+            raise ValueError(f"prompt_ids must be integer token ids, got dtype {prompt.dtype}")
+        prompt = prompt.to(dtype=torch.long)
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape "
                              f"{tuple(prompt.shape)}")

@@ -160,6 +160,8 @@ def test_requests_that_can_never_fit_are_rejected_with_the_numbers(model):
         server.submit(prompt(6, 1), 8)
     with pytest.raises(ValueError, match="non-empty 1-D"):
         server.submit([], 4)
+    with pytest.raises(ValueError, match="prompt_ids must be integer token ids, got dtype torch.float32"):
+        server.submit(torch.tensor([1.0, 2.5]), 4)
     with pytest.raises(ValueError, match="max_new_tokens must be at least 1, got 0"):
         server.submit(prompt(3, 1), 0)
     with pytest.raises(ValueError, match=r"token 64, outside the model's vocabulary \[0, 64\)"):
