@@ -32,6 +32,14 @@ FAMILIES = ("gpt2", "llama", "gpt")
 NEW_TOKENS = 16
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _build(family: str, n_layer: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "gpt2":
@@ -149,38 +157,77 @@ def test_parity_two_ranks():
 # -- real memory: a model larger than the budget -------------------------------------------------
 
 
-def _memory_two_ranks() -> dict:
+def _memory_run(config: dict) -> dict:
+    """RSS (bytes) at each step of partitioning and running a 113 MB model, and the counter."""
     from meshspeed.runtime.accelerator import _peak_rss_bytes, _rss_bytes
+    from meshspeed.runtime.malloc import release_free_heap
 
     torch.set_num_threads(1)
+    _check_parity("gpt", config)  # warm-up: one-time allocations (torch, gloo, swap threads)
     gc.collect()
-    before = _rss_bytes()
+    start = _rss_bytes()
     torch.manual_seed(0)
     # 16 layers of 7.1 MB and 0.2 MB of embeddings: 113 MB of fp32 weights
     model = GPT(GPTConfig(vocab_size=128, max_seq_len=32, n_layer=16, n_head=6, d_model=384,
                           ffn_hidden=1024)).eval()
-    full = sum(p.numel() * 4 for p in model.parameters())
-    zi = partition_for_inference(model, {"stage": 3, "prefetch_layers": 1})
+    built, full = _rss_bytes(), sum(p.numel() * 4 for p in model.parameters())
+    zi = partition_for_inference(model, config)
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
+    at_rest, partitioned = zi.resident_bytes, _rss_bytes()
+    idx = torch.zeros(1, 16, dtype=torch.long)
     with torch.no_grad():
-        model(torch.zeros(1, 16, dtype=torch.long))
-    out = {"full": full, "hwm_over_start": _peak_rss_bytes() - before, "peak": zi.peak_resident_bytes,
-           "expected_peak": _expected_peak(zi, 1)}
+        model(idx)  # warm-up: the first forward's one-time allocations are not weights
+        release_free_heap()  # what gloo's threads freed stays in their malloc arenas otherwise
+        warm = _rss_bytes()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := current RSS
+        model(idx)
+    hwm = _peak_rss_bytes()
+    out = {"full": full, "unit": zi.units[0].full_bytes,
+           "peak": zi.peak_resident_bytes, "expected_peak": _expected_peak(zi, config["prefetch_layers"]),
+           "at_rest": at_rest, "released": built - partitioned, "forward": hwm - warm, "warm_gain": warm - partitioned,
+           "hwm_over_start": hwm - start}
     zi.close()
     return out
 
 
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs /proc/self/clear_refs (Linux)")
-def test_memory_below_whole_model():
-    """2 ranks, prefetch 1: each holds half the layers' bytes plus two whole layers (63 MB
-    of the 113 MB); the process's peak RSS during forward, over its RSS before the model
-    was built, stays below 80% of the whole model (it would be >= 100% if any rank held it)."""
-    for out in run_distributed(_memory_two_ranks, world_size=2):
-        assert out["peak"] == out["expected_peak"], out
-        assert out["peak"] < 0.6 * out["full"], out
-        assert out["hwm_over_start"] < 0.8 * out["full"], out
+def _check_memory(out: dict, whole_fraction: float) -> None:
+    assert out["peak"] == out["expected_peak"], out
+    # partitioning gave back (nearly) all it did not keep
+    assert out["released"] >= 0.9 * (out["full"] - out["at_rest"]), out
+    # and the process never came near holding the whole model
+    assert out["hwm_over_start"] < whole_fraction * out["full"], out
+
+
+_NO_CLEAR_REFS = not os.access("/proc/self/clear_refs", os.W_OK)
+
+
+@pytest.mark.skipif(_NO_CLEAR_REFS, reason="needs /proc/self/clear_refs (Linux) to reset the peak RSS")
+def test_memory_two_ranks_below_whole_model():
+    """2 ranks, prefetch 1: each holds half the layers' bytes plus two whole layers (71 MB
+    of the 113 MB, 10/16 of it by design); the process's peak RSS, over its RSS before the
+    model was built, stays below 95% of the whole model (a rank holding it would be over
+    100%). Measured 53-80%: on top of the counter, gloo gathers through a temporary of its
+    own per all-gather in flight (+2 units) and its threads' malloc arenas keep some of
+    what they free, which varies from run to run; the NVMe test below checks one forward's
+    increment exactly, where no gloo runs."""
+    for out in run_distributed(_memory_run, world_size=2, args=({"stage": 3, "prefetch_layers": 1},)):
+        assert out["peak"] < 0.65 * out["full"], out
+        _check_memory(out, 0.95)
+
+
+@pytest.mark.skipif(_NO_CLEAR_REFS, reason="needs /proc/self/clear_refs (Linux) to reset the peak RSS")
+def test_memory_one_rank_nvme_budget(tmp_path):
+    """1 rank, shards on NVMe, prefetch 1: one layer gathered plus one staging buffer
+    (14.6 MB of a 113.7 MB model, with the embeddings); the process's peak RSS over its
+    start (after a warm-up) stays under 25% of the model (measured 14-15 MB, 12-13%)."""
+    config = {"stage": 3, "prefetch_layers": 1, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    (out,) = run_distributed(_memory_run, world_size=1, args=(config,))
+    assert out["peak"] < 0.15 * out["full"], out
+    _check_memory(out, 0.25)
+    # one forward adds what the counter says it gathers (one unit; the staging buffer
+    # is already resident), within 4 MB (activations, the gathered unit's page rounding)
+    assert out["forward"] <= out["peak"] - out["at_rest"] + 4e6, out
 
 
 # -- attach, layer discovery, errors -------------------------------------------------------------
