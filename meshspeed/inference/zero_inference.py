@@ -379,6 +379,9 @@ class ZeroInference:
         self.config = config
         self.group = group
         initialized = comm.is_initialized()
+        if group is not None and not initialized:
+            raise ValueError("a process group was passed but torch.distributed is not initialized; "
+                             "initialize it first (meshspeed.init_distributed) or pass group=None for one process")
         self.world = comm.get_world_size(group) if initialized else 1
         self.rank = comm.get_rank(group) if initialized else 0
         self.meter = _Meter()

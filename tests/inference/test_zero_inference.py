@@ -313,3 +313,32 @@ def test_shared_parameter_between_units_is_an_error():
     model.layers[1].attn.wq.weight = model.layers[0].attn.wq.weight
     with pytest.raises(ValueError, match=r"a parameter of layers.1 is shared with layers.0"):
         partition_for_inference(model, {"stage": 3})
+
+
+@pytest.mark.parametrize("device", ["none", "nvme"])
+def test_next_unit_is_in_flight_during_a_layer(device, tmp_path):
+    """Prefetch: while layer 0 runs, layer 1's gather (or, on NVMe, its file read) is
+    already under way and layer 2 (beyond prefetch_layers=1) has not started."""
+    model = _build("gpt", n_layer=3)
+    offload = {"device": device, "nvme_path": str(tmp_path)} if device == "nvme" else {"device": device}
+    zi = partition_for_inference(model, {"stage": 3, "offload_param": offload, "prefetch_layers": 1})
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda m, a: seen.append([u.state for u in zi.units]))
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))
+    in_flight = UnitState.READING if device == "nvme" else UnitState.GATHERING
+    assert seen == [[UnitState.WHOLE, in_flight, UnitState.SHARDED]]
+    zi.close()
+
+
+def test_pinned_host_shards_parity():
+    """pin_memory (ordinary memory where no accelerator can use pinned pages)."""
+    out = _check_parity("gpt", {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}})
+    assert out["logits"] and out["tokens"] and out["peak"] == out["expected_peak"], out
+
+
+def test_group_without_distributed_is_an_error():
+    if torch.distributed.is_initialized():
+        pytest.skip("this process has a default group")
+    with pytest.raises(ValueError, match="a process group was passed but torch.distributed is not initialized"):
+        partition_for_inference(_build("gpt"), {"stage": 3}, group=object())
