@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import tempfile
 
 import pytest
 import torch
@@ -143,6 +144,9 @@ def _parity_two_ranks() -> dict:
     for family in FAMILIES:
         for device in ("none", "cpu"):
             out[f"{family}/{device}"] = _check_parity(family, {"stage": 3, "offload_param": {"device": device}})
+    with tempfile.TemporaryDirectory() as path:  # beyond the brief: file reads, then the all-gather
+        out["gpt/nvme"] = _check_parity("gpt", {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path}})
+        out["gpt/nvme"]["files_left"] = os.listdir(path)
     return out
 
 
@@ -152,6 +156,7 @@ def test_parity_two_ranks():
         for case, out in per_case.items():
             assert out["logits"] and out["tokens"] and out["new"] == NEW_TOKENS, (rank, case, out)
             assert out["peak"] == out["expected_peak"], (rank, case, out)
+            assert not out.get("files_left"), (rank, case, out)
 
 
 # -- real memory: a model larger than the budget -------------------------------------------------
