@@ -39,9 +39,12 @@ backward through a partitioned model is not supported (training uses ZeRO-3 prop
 Note [what peak_resident_bytes counts]
 Bytes of weights held at any moment: the whole non-layer unit, the shards held in memory
 (device or host; none for NVMe), the full buffers of units gathered or being gathered,
-staging buffers of NVMe reads, and device copies of host shards while their gather is in
-flight. With L equal layers of F full bytes, shard bytes s = F/N (padded) and staging
-bytes S (s rounded up to 4 KiB) the schedule above gives exactly, for L >= prefetch + 2:
+staging buffers of NVMe reads (kept for reuse, never more than were in use at once), and,
+on an accelerator with several ranks, device copies of host shards while their all-gather
+is in flight (one rank copies from the host straight into the full buffer). Host and
+device bytes are summed: on the CPU they are the same memory. With L equal layers of F
+full bytes, shard bytes s = F/N (padded) and staging bytes S (s rounded up to 4 KiB),
+the schedule above gives exactly, on the CPU, for L >= prefetch + 2:
     "none" / "cpu": replicated + L*s + (1 + prefetch) * F
     "nvme":         replicated + max(1, prefetch) * (F + S)
 """
@@ -163,9 +166,9 @@ class _MemoryHome:
     def start(self, i: int) -> None:
         pass
 
-    def ready(self, i: int) -> torch.Tensor:
+    def ready(self, i: int, on_device: bool) -> torch.Tensor:
         shard = self.shards[i]
-        if shard.device == self.device:
+        if shard.device == self.device or not on_device:
             return shard
         copy = shard.to(self.device, non_blocking=True)
         self._copies[i] = copy
@@ -213,12 +216,12 @@ class _NvmeHome:
         buf = self._take(i)
         self._reading[i] = (self.engine.read(buf, self.path(i)), buf)
 
-    def ready(self, i: int) -> torch.Tensor:
+    def ready(self, i: int, on_device: bool) -> torch.Tensor:
         request, buf = self._reading.pop(i)
         request.wait()
         shard = self._typed(buf, i)
         copy = None
-        if shard.device != self.device:
+        if shard.device != self.device and on_device:
             copy = shard.to(self.device, non_blocking=True)
             self.meter.add(_nbytes(copy))
         self._held[i] = (buf, copy)
@@ -303,6 +306,7 @@ class _Unit:
         self.state = UnitState.SHARDED
         self.in_use = 0  # forwards of modules attached to this unit running now
         self._work = None
+        self._copied = None  # a CUDA event: the host-to-device copy of a gather has finished
 
     def start(self) -> None:
         """SHARDED -> READING (NVMe) or straight on to GATHERING."""
@@ -319,13 +323,18 @@ class _Unit:
             self.start()
         if self.state not in (UnitState.SHARDED, UnitState.READING):
             raise LifecycleError(f"unit {self.name}: gather launched while {self.state.value}")
-        src = self.home.ready(self.index)
+        # one rank copies straight from host memory; an all-gather needs its input on the device
+        src = self.home.ready(self.index, on_device=self.world > 1)
         self.flat.untyped_storage().resize_(self.full_bytes)
         self.meter.add(self.full_bytes)
         if self.world == 1:
             self.flat.copy_(src, non_blocking=True)
         else:
             self._work = comm.all_gather_into_tensor(self.flat, src, group=self.group, async_op=True)
+        if src.device.type == "cpu" and self.device.type == "cuda":
+            # the asynchronous copy reads a host buffer that `done` may hand to the next read
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.state = UnitState.GATHERING
 
     def finish(self) -> None:
@@ -335,8 +344,9 @@ class _Unit:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self.flat.device.type == "cuda":  # the host-to-device copy has read its staging buffer
-            torch.cuda.current_stream(self.flat.device).synchronize()
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
         self.home.done(self.index)
         for p, view in zip(self.params, self.views):
             p.data = view
