@@ -1,53 +1,446 @@
-"""The fused operations of inference, by name, each with the plain PyTorch path.
+"""The fused operations of inference, by name, behind a registry of implementations.
 
 Model runners call these functions, never the ops inside them, so that a faster version
-(fused, compiled, or a device kernel) can stand in where it is supported on the device
-and dtype at hand, and the plain path is used everywhere else.
+(fused, compiled, or a device kernel) stands in where it is supported on the device and
+dtype at hand, and the plain PyTorch path runs everywhere else:
 
-(Stub: plain PyTorch paths only; the registry with support checks is the kernels piece of
-issue 16.)
+    y = kernels.rms_norm(x, weight, eps)          # dispatches on x.device.type, x.dtype
+    q, k, v = kernels.fused_qkv(x, q_proj, k_proj, v_proj)
+    kernels.describe()                             # {op: {"cpu/torch.float32": "plain", ...}}
+    with kernels.use("plain"):                     # or MESHSPEED_KERNELS=plain
+        ...                                        # the reference path only
+    kernels.register("silu_mul", my_fn, lambda device, dtype: device == "cuda", priority=20)
+
+Note [which implementation runs]
+Every op has its plain implementation (the reference: always supported, never replaced)
+and any number of faster ones, each with `supports(device_type, dtype) -> bool` and a
+priority. The first call of an op on a (device type, dtype) picks the highest-priority
+implementation that supports it and remembers the pick for that key, so later calls cost
+one dict lookup. A faster implementation's first call on a key is tried: if it raises
+(torch.compile without a working C++ compiler, a Triton kernel on a GPU it was not built
+for), it is remembered as unsupported for that key, rank 0 logs one line, and the plain
+path answers this call and every later one. If the plain path raises as well, the input
+was at fault, not the implementation: the plain path's error is raised and nothing is
+remembered. Only the first call is guarded; a later failure is a bug and propagates.
+
+Note [where torch.compile pays]
+`torch.compile` fuses an op's elementwise chain into one pass over memory, but each call
+of a compiled function pays guard checks and a dispatch of its own (tens of microseconds
+on CPU), and the first call of each new (op, dtype) pays a compilation (1-20 s). So the
+compiled version is preferred only where it measured faster than the plain one on this
+machine at both a decode shape (8, 1, 512) and a prefill shape (8, 128, 512); decode calls
+are most calls of a generation, so losing there is not bought back by winning prefill.
+Measured with one intra-op thread on the 2-core CPU of the development machine
+(`python benchmarks/kernels.py`, median of 7 runs of 50 calls, microseconds per call,
+plain / compiled):
+
+    (filled in from benchmarks/kernels.py, see _COMPILED_PAYS)
+
+On CUDA the compiled version is registered for fp32/bf16/fp16 without a measurement here
+(no GPU was available): fusing a norm's or activation's 3-6 memory-bound kernels into one
+is the case inductor is built for, and `benchmarks/kernels.py` measures it where a GPU is.
+
+Note [fused_qkv's packed weight]
+Three projections of the same input as one matmul halve the kernel launches and read x
+once. The packed weight (q, k and v's weights concatenated, Conv1D's transposed) is built
+on the first call and kept per q module, checked on each call against the identity,
+version counter, storage, dtype and device of the six tensors it came from, so loading,
+`.to()` or an in-place update of a weight rebuilds it. It costs one extra copy of the
+three weights. Modules that are not plain `nn.Linear` / HF `Conv1D` (quantized or
+tensor-parallel layers with forwards of their own), modules with forward hooks
+(ZeRO-Inference gathers weights in a pre-hook), and calls that autograd must record
+(the packed copy is detached) run the three modules as they are.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger("meshspeed")
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps), computed in fp32, returned in x's dtype."""
-    xf = x.float()
+Supports = Callable[[str, torch.dtype], bool]
+Key = tuple[str, str, torch.dtype]  # (op, device type, dtype)
+
+
+# ---- the plain paths (the reference of every op) -------------------------------------
+
+def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least; fp64 stays
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): the residual add fused with the norm."""
+def _plain_add_rms_norm(x, residual, weight, eps):
     s = x + residual
-    return rms_norm(s, weight, eps), s
+    return _plain_rms_norm(s, weight, eps), s
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _plain_layer_norm(x, weight, bias, eps):
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _plain_add_layer_norm(x, residual, weight, bias, eps):
     s = x + residual
-    return layer_norm(s, weight, bias, eps), s
+    return _plain_layer_norm(s, weight, bias, eps), s
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding (Llama/HF convention): x (..., T, D), cos/sin (..., T, D)."""
+def _plain_rotary(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh") -> torch.Tensor:
+def _plain_bias_gelu(x, bias, approximate="tanh"):
     return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
+def _plain_silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
+def _plain_fused_qkv(x, q, k, v):
+    return q(x), k(x), v(x)
+
+
+_PLAIN: dict[str, Callable] = {
+    "rms_norm": _plain_rms_norm,
+    "add_rms_norm": _plain_add_rms_norm,
+    "layer_norm": _plain_layer_norm,
+    "add_layer_norm": _plain_add_layer_norm,
+    "rotary": _plain_rotary,
+    "bias_gelu": _plain_bias_gelu,
+    "silu_mul": _plain_silu_mul,
+    "fused_qkv": _plain_fused_qkv,
+}
+OPS: tuple[str, ...] = tuple(_PLAIN)
+
+
+# ---- the registry ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an op: `fn` has the op's signature; `supports(device_type,
+    dtype)` says where it may run; higher `priority` is tried first (plain is last)."""
+
+    label: str
+    fn: Callable
+    supports: Supports
+    priority: int
+
+
+_PLAIN_IMPLS = {op: Impl("plain", fn, lambda device, dtype: True, -(2**31))
+                for op, fn in _PLAIN.items()}
+_FAST: dict[str, list[Impl]] = {op: [] for op in OPS}
+_chosen: dict[Key, Impl] = {}
+_proven: set[tuple[str, Key]] = set()  # (label, key) whose first call succeeded
+_failed: set[tuple[str, Key]] = set()  # (label, key) whose first call raised
+_mode = os.environ.get("MESHSPEED_KERNELS", "auto").strip() or "auto"
+
+
+def register(name: str, impl: Callable, supports: Supports, priority: int = 0, *,
+             label: str | None = None) -> None:
+    """Add `impl` as an implementation of op `name`, tried before lower priorities where
+    `supports(device_type, dtype)` holds. `label` (default: impl's __name__) names it in
+    describe() and use(); registering a label again replaces that implementation."""
+    if name not in _PLAIN:
+        raise ValueError(f"kernels.register: {name!r} is not an op; the ops are {', '.join(OPS)}")
+    label = label or getattr(impl, "__name__", None)
+    if not label or label in ("plain", "auto"):
+        raise ValueError(f"kernels.register: label {label!r} for {name} is empty or reserved; "
+                         "pass label= with a name other than 'plain' and 'auto'")
+    impls = [i for i in _FAST[name] if i.label != label] + [Impl(label, impl, supports, priority)]
+    _FAST[name] = sorted(impls, key=lambda i: -i.priority)
+    _forget(label)
+
+
+def _forget(label: str | None = None) -> None:
+    """Drop the cached picks (and, for `label`, what its first calls proved)."""
+    _chosen.clear()
+    if label is not None:
+        _proven.difference_update({p for p in _proven if p[0] == label})
+        _failed.difference_update({f for f in _failed if f[0] == label})
+
+
+def _labels() -> set[str]:
+    return {i.label for impls in _FAST.values() for i in impls}
+
+
+def _choose(key: Key) -> Impl:
+    op, device_type, dtype = key
+    if _mode == "plain":
+        return _PLAIN_IMPLS[op]
+    if _mode != "auto" and _mode not in _labels():
+        raise ValueError(f"kernels mode {_mode!r} (from use() or MESHSPEED_KERNELS) names no "
+                         f"implementation; use 'auto', 'plain' or one of {sorted(_labels())}")
+    for impl in _FAST[op]:
+        if _mode not in ("auto", impl.label) or (impl.label, key) in _failed:
+            continue
+        if impl.supports(device_type, dtype):
+            return impl
+    return _PLAIN_IMPLS[op]
+
+
+def _call(op: str, x: torch.Tensor, *args):
+    key = (op, x.device.type, x.dtype)
+    impl = _chosen.get(key)
+    if impl is None:
+        impl = _chosen[key] = _choose(key)
+    if impl.label == "plain" or (impl.label, key) in _proven:
+        return impl.fn(x, *args)
+    return _first_call(impl, key, x, *args)
+
+
+def _first_call(impl: Impl, key: Key, *args):
+    """Try `impl`'s first call on `key`; on failure fall back (Note [which implementation runs])."""
+    try:
+        out = impl.fn(*args)
+    except Exception as err:  # noqa: BLE001 - any failure of a faster path means "not here"
+        fast_err = err
+    else:
+        _proven.add((impl.label, key))
+        return out
+    _failed.add((impl.label, key))
+    _chosen.pop(key, None)
+    try:
+        out = _PLAIN[key[0]](*args)
+    except Exception:
+        _failed.discard((impl.label, key))  # the input's fault: plain's error is the answer
+        raise
+    if _rank_zero():
+        log.warning("kernels: %s's %r implementation failed on its first call on %s %s "
+                    "(%s: %s); the plain PyTorch path runs there from now on", key[0],
+                    impl.label, key[1], key[2], type(fast_err).__name__,
+                    str(fast_err).splitlines()[0] if str(fast_err) else "")
+    return out
+
+
+def _rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class _Mode:
+    """Returned by use(): the mode is set already; `with` restores the previous one."""
+
+    def __init__(self, previous: str):
+        self.previous = previous
+
+    def __enter__(self) -> _Mode:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _set_mode(self.previous)
+
+
+def _set_mode(mode: str) -> None:
+    global _mode
+    _mode = mode
+    _forget()
+
+
+def use(mode: str) -> _Mode:
+    """Choose implementations from now on: "auto" (the best supported, the default), "plain"
+    (the reference only: parity tests, debugging) or a label (that implementation where
+    supported, plain elsewhere). Usable as `with kernels.use("plain"): ...` to restore."""
+    if mode not in ("auto", "plain") and mode not in _labels():
+        raise ValueError(f"kernels.use: {mode!r} names no implementation; use 'auto', 'plain' "
+                         f"or one of {sorted(_labels())}")
+    previous = _mode
+    _set_mode(mode)
+    return _Mode(previous)
+
+
+def describe(*keys: tuple[str, torch.dtype]) -> dict[str, dict[str, str]]:
+    """{op: {"device/dtype": label}}: which implementation each op uses (or would use, if its
+    first call there succeeds) for the given (device_type, dtype) keys; by default every
+    key dispatched so far plus CPU (and CUDA if present) in fp32 and bf16."""
+    wanted = list(keys) or _default_keys()
+    table: dict[str, dict[str, str]] = {}
+    for op in OPS:
+        row = table[op] = {}
+        for device_type, dtype in wanted:
+            key = (op, device_type, dtype)
+            row[f"{device_type}/{dtype}"] = (_chosen.get(key) or _choose(key)).label
+    return table
+
+
+def _default_keys() -> list[tuple[str, torch.dtype]]:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    keys = [(d, t) for d in devices for t in (torch.float32, torch.bfloat16)]
+    keys += [(d, t) for _, d, t in _chosen if (d, t) not in keys]
+    return keys
+
+
+# ---- the public ops -------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps), computed in fp32 (fp64 for fp64), returned in
+    x's dtype."""
+    return _call("rms_norm", x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add fused with the norm."""
+    return _call("add_rms_norm", x, residual, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension."""
+    return _call("layer_norm", x, weight, bias, eps)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual)."""
+    return _call("add_layer_norm", x, residual, weight, bias, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding (Llama/HF convention): x (..., T, D), cos/sin (..., T, D)."""
+    return _call("rotary", x, cos, sin)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(x + bias) (bias None: gelu(x))."""
+    return _call("bias_gelu", x, bias, approximate)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up."""
-    return F.silu(gate) * up
+    return _call("silu_mul", gate, up)
+
+
+def fused_qkv(x: torch.Tensor, q: torch.nn.Module, k: torch.nn.Module,
+              v: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q(x), k(x), v(x)), as one matmul where all three are plain linears (Note
+    [fused_qkv's packed weight]); the outputs may be views of one tensor."""
+    return _call("fused_qkv", x, q, k, v)
+
+
+# ---- fused_qkv's packed implementation -------------------------------------------------
+
+def _is_conv1d(m: torch.nn.Module) -> bool:
+    # HF's GPT-2 Conv1D (y = x @ W + b, W (in, out)), recognised without importing transformers.
+    return type(m).__name__ == "Conv1D" and type(m).__module__ == "transformers.pytorch_utils"
+
+
+def _packable(x: torch.Tensor, m: torch.nn.Module) -> bool:
+    if type(m) is not torch.nn.Linear and not _is_conv1d(m):
+        return False
+    if m._forward_hooks or m._forward_pre_hooks:
+        return False
+    w, b = m.weight, m.bias
+    in_dim = w.shape[1] if type(m) is torch.nn.Linear else w.shape[0]
+    same = all(t.device == x.device and t.dtype == x.dtype for t in (w, b) if t is not None)
+    return w.dim() == 2 and in_dim == x.shape[-1] and same
+
+
+def _stamp(t: torch.Tensor | None):
+    if t is None:
+        return None
+    version = -1 if t.is_inference() else t._version
+    return (t.data_ptr(), version, t.dtype, t.device, t.shape)
+
+
+@dataclass
+class _Packed:
+    refs: tuple  # weakrefs to k, v and the six source tensors
+    stamps: tuple
+    weight: torch.Tensor  # (q_out + k_out + v_out, in)
+    bias: torch.Tensor | None
+    sizes: tuple[int, int, int]
+
+
+_packs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sources(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return m.weight, m.bias
+
+
+def _pack_for(q, k, v) -> _Packed:
+    tensors = [t for m in (q, k, v) for t in _sources(m)]
+    stamps = tuple(_stamp(t) for t in tensors)
+    pack = _packs.get(q)
+    if pack is not None and pack.stamps == stamps:
+        live = [r() if r is not None else None for r in pack.refs]
+        if live[0] is k and live[1] is v and all(a is b for a, b in zip(live[2:], tensors)):
+            return pack
+    with torch.inference_mode(False), torch.no_grad():
+        weights = [m.weight.t() if _is_conv1d(m) else m.weight for m in (q, k, v)]
+        sizes = tuple(w.shape[0] for w in weights)
+        weight = torch.cat(weights, dim=0).contiguous()
+        if all(m.bias is None for m in (q, k, v)):
+            bias = None
+        else:
+            bias = torch.cat([m.bias if m.bias is not None else weight.new_zeros(n)
+                              for m, n in zip((q, k, v), sizes)])
+    refs = (weakref.ref(k), weakref.ref(v)) + tuple(
+        weakref.ref(t) if t is not None else None for t in tensors)
+    pack = _packs[q] = _Packed(refs, stamps, weight, bias, sizes)
+    return pack
+
+
+def _qkv_packed(x, q, k, v):
+    """One matmul over the packed weight; the three modules where packing does not apply."""
+    if not all(_packable(x, m) for m in (q, k, v)):
+        return q(x), k(x), v(x)
+    if torch.is_grad_enabled() and (x.requires_grad or any(
+            p.requires_grad for m in (q, k, v) for p in _sources(m) if p is not None)):
+        return q(x), k(x), v(x)  # the packed copy is detached: let autograd see the modules
+    pack = _pack_for(q, k, v)
+    return F.linear(x, pack.weight, pack.bias).split(pack.sizes, dim=-1)
+
+
+# ---- torch.compile'd implementations ---------------------------------------------------
+
+# Below this many elements in the first argument a compiled op loses to its own guards and
+# dispatch (every decode shape measured), so the plain path runs (Note [where torch.compile
+# pays]): 4096 (decode, 8 x 512) is below it, 524288 (prefill, 8 x 128 x 512) above.
+COMPILE_MIN_NUMEL = 1 << 16
+
+
+def _compiled(fn: Callable, label: str = "compiled", min_numel: int = 0) -> Callable:
+    """`fn` under torch.compile, compiled lazily on its first call with an input of at least
+    `min_numel` elements (importing dynamo and compiling are costs only a caller that uses
+    it should pay); smaller inputs run `fn` as it is."""
+    compiled = None
+
+    def run(x, *args):
+        nonlocal compiled
+        if x.numel() < min_numel:
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(x, *args)
+
+    run.__name__ = label
+    return run
+
+
+# Where torch.compile measured faster on this CPU at both decode and prefill shapes
+# (Note [where torch.compile pays]); CUDA is assumed (same Note).
+_COMPILED_PAYS: dict[str, set[torch.dtype]] = {op: set() for op in OPS if op != "fused_qkv"}
+_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _compiled_supports(op: str) -> Supports:
+    def supports(device_type: str, dtype: torch.dtype) -> bool:
+        if device_type == "cuda":
+            return dtype in _CUDA_DTYPES
+        return device_type == "cpu" and dtype in _COMPILED_PAYS[op]
+    return supports
+
+
+for _op in _COMPILED_PAYS:
+    register(_op, _compiled(_PLAIN[_op], min_numel=COMPILE_MIN_NUMEL), _compiled_supports(_op),
+             priority=10, label="compiled")
+register("fused_qkv", _qkv_packed, lambda device, dtype: True, priority=10, label="packed")
