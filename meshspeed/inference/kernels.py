@@ -25,31 +25,55 @@ remembered. Only the first call is guarded; a later failure is a bug and propaga
 
 Note [where torch.compile pays]
 `torch.compile` fuses an op's elementwise chain into one pass over memory, but each call
-of a compiled function pays guard checks and a dispatch of its own (tens of microseconds
-on CPU), and the first call of each new (op, dtype) pays a compilation (1-20 s). So the
-compiled version is preferred only where it measured faster than the plain one on this
-machine at both a decode shape (8, 1, 512) and a prefill shape (8, 128, 512); decode calls
-are most calls of a generation, so losing there is not bought back by winning prefill.
-Measured with one intra-op thread on the 2-core CPU of the development machine
-(`python benchmarks/kernels.py`, median of 7 runs of 50 calls, microseconds per call,
-plain / compiled):
+of a compiled function pays guard checks and a dispatch of its own (10-20 us on this CPU)
+and the first call of each new (op, dtype) a compilation (1 s; the first in a process
+15-40 s). Measured on the 2-core CPU of the development machine, one intra-op thread,
+shared with other jobs (`python benchmarks/kernels.py`: fastest of 15 interleaved runs
+of 20 calls, us per call, plain / compiled; decode (8, 1, 512), prefill (8, 128, 512)):
 
-    (filled in from benchmarks/kernels.py, see _COMPILED_PAYS)
+    op              dtype     decode        prefill
+    rms_norm        fp32      11.7 / 22.3    607 /   865
+    rms_norm        bf16      14.7 / 25.8    981 /   165   compiled
+    add_rms_norm    fp32      20.7 / 39.1    348 /   397
+    add_rms_norm    bf16      27.3 / 44.0   1216 /   692   compiled
+    layer_norm      fp32       6.2 / 39.1    149 /  2378
+    layer_norm      bf16       4.1 / 20.9    205 /   838
+    add_layer_norm  fp32       5.1 / 25.4   1094 /  3961
+    add_layer_norm  bf16       5.9 / 24.3   1108 /  1644
+    rotary          fp32       9.7 / 22.0   1160 /   925   compiled
+    rotary          bf16      10.6 / 22.1   1127 /   151   compiled
+    bias_gelu       fp32      24.0 / 40.3  11145 / 12928
+    bias_gelu       bf16      28.2 / 40.9   8513 /  7324
+    silu_mul        fp32      10.0 / 32.4   2389 /  1884
+    silu_mul        bf16      10.3 / 24.5   2437 /  1846
 
-On CUDA the compiled version is registered for fp32/bf16/fp16 without a measurement here
-(no GPU was available): fusing a norm's or activation's 3-6 memory-bound kernels into one
-is the case inductor is built for, and `benchmarks/kernels.py` measures it where a GPU is.
+Compiled loses every decode shape: its overhead exceeds the whole plain op. So the
+compiled implementation runs plain below COMPILE_MIN_NUMEL elements and compiles above
+it, and is preferred on CPU only for the keys marked above (see _COMPILED_PAYS): the ones
+that won at prefill in each of three runs of the benchmark. (Two earlier runs with medians
+instead of minimums were noisier but agreed on these; bias_gelu and silu_mul bf16 won in
+some runs and lost in others, so they stay plain.) The bf16 norms win big because the plain
+path makes several passes with dtype conversions that inductor fuses into one; ATen's
+layer_norm is one fused kernel already. On CUDA the compiled version is registered for
+fp32/bf16/fp16 without a measurement here (no GPU was available): fusing a norm's or
+activation's 3-6 memory-bound kernels into one is the case inductor is built for, and
+`benchmarks/kernels.py --device cuda` measures it where a GPU is.
 
 Note [fused_qkv's packed weight]
-Three projections of the same input as one matmul halve the kernel launches and read x
-once. The packed weight (q, k and v's weights concatenated, Conv1D's transposed) is built
-on the first call and kept per q module, checked on each call against the identity,
-version counter, storage, dtype and device of the six tensors it came from, so loading,
-`.to()` or an in-place update of a weight rebuilds it. It costs one extra copy of the
-three weights. Modules that are not plain `nn.Linear` / HF `Conv1D` (quantized or
-tensor-parallel layers with forwards of their own), modules with forward hooks
-(ZeRO-Inference gathers weights in a pre-hook), and calls that autograd must record
+Three projections of the same input as one matmul read x once and launch one kernel
+instead of three. The packed weight (q, k and v's weights concatenated, Conv1D's
+transposed) is built on the first call and kept per q module, checked on each call
+against the identity, version counter, storage, dtype and device of the six tensors it
+came from, so loading, `.to()` or an in-place update of a weight rebuilds it. It costs one
+extra copy of the three weights. Modules that are not plain `nn.Linear` / HF `Conv1D`
+(quantized or tensor-parallel layers with forwards of their own), modules with forward
+hooks (ZeRO-Inference gathers weights in a pre-hook), and calls that autograd must record
 (the packed copy is detached) run the three modules as they are.
+On this CPU the matmul is bound by reading the weights, which packing does not change:
+measured (as above, 40 runs) plain / packed 227 / 253 us fp32 and 132 / 113 us bf16 at
+decode, 26.4 / 26.5 ms and 7.9 / 8.4 ms at prefill: no gain worth a copy of the weights, so
+on CPU it runs only when asked for (`use("packed")`). It is preferred on CUDA, where
+decode is bound by kernel launches (unmeasured here: no GPU).
 """
 
 from __future__ import annotations
@@ -57,8 +81,8 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -126,16 +150,21 @@ OPS: tuple[str, ...] = tuple(_PLAIN)
 @dataclass(frozen=True)
 class Impl:
     """One implementation of an op: `fn` has the op's signature; `supports(device_type,
-    dtype)` says where it may run; higher `priority` is tried first (plain is last)."""
+    dtype)` says where it runs correctly, `prefer` where "auto" should pick it (where it
+    measured faster; by default wherever supported); higher `priority` is tried first."""
 
     label: str
     fn: Callable
     supports: Supports
     priority: int
+    prefer: Supports
 
 
-_PLAIN_IMPLS = {op: Impl("plain", fn, lambda device, dtype: True, -(2**31))
-                for op, fn in _PLAIN.items()}
+def _anywhere(device_type: str, dtype: torch.dtype) -> bool:
+    return True
+
+
+_PLAIN_IMPLS = {op: Impl("plain", fn, _anywhere, -(2**31), _anywhere) for op, fn in _PLAIN.items()}
 _FAST: dict[str, list[Impl]] = {op: [] for op in OPS}
 _chosen: dict[Key, Impl] = {}
 _proven: set[tuple[str, Key]] = set()  # (label, key) whose first call succeeded
@@ -144,17 +173,19 @@ _mode = os.environ.get("MESHSPEED_KERNELS", "auto").strip() or "auto"
 
 
 def register(name: str, impl: Callable, supports: Supports, priority: int = 0, *,
-             label: str | None = None) -> None:
+             label: str | None = None, prefer: Supports | None = None) -> None:
     """Add `impl` as an implementation of op `name`, tried before lower priorities where
-    `supports(device_type, dtype)` holds. `label` (default: impl's __name__) names it in
-    describe() and use(); registering a label again replaces that implementation."""
+    `supports(device_type, dtype)` holds (and `prefer`, if given: where it pays; use(label)
+    runs it wherever supported). `label` (default: impl's __name__) names it in describe()
+    and use(); registering a label again replaces that implementation."""
     if name not in _PLAIN:
         raise ValueError(f"kernels.register: {name!r} is not an op; the ops are {', '.join(OPS)}")
     label = label or getattr(impl, "__name__", None)
     if not label or label in ("plain", "auto"):
         raise ValueError(f"kernels.register: label {label!r} for {name} is empty or reserved; "
                          "pass label= with a name other than 'plain' and 'auto'")
-    impls = [i for i in _FAST[name] if i.label != label] + [Impl(label, impl, supports, priority)]
+    impls = [i for i in _FAST[name] if i.label != label] + [
+        Impl(label, impl, supports, priority, prefer or supports)]
     _FAST[name] = sorted(impls, key=lambda i: -i.priority)
     _forget(label)
 
@@ -181,7 +212,8 @@ def _choose(key: Key) -> Impl:
     for impl in _FAST[op]:
         if _mode not in ("auto", impl.label) or (impl.label, key) in _failed:
             continue
-        if impl.supports(device_type, dtype):
+        if impl.supports(device_type, dtype) and (
+                _mode == impl.label or impl.prefer(device_type, dtype)):
             return impl
     return _PLAIN_IMPLS[op]
 
@@ -232,8 +264,8 @@ class _Mode:
     def __init__(self, previous: str):
         self.previous = previous
 
-    def __enter__(self) -> _Mode:
-        return self
+    def __enter__(self) -> None:
+        return None
 
     def __exit__(self, *exc) -> None:
         _set_mode(self.previous)
@@ -426,13 +458,17 @@ def _compiled(fn: Callable, label: str = "compiled", min_numel: int = 0) -> Call
     return run
 
 
-# Where torch.compile measured faster on this CPU at both decode and prefill shapes
-# (Note [where torch.compile pays]); CUDA is assumed (same Note).
+# Where torch.compile measured faster on this CPU at the prefill shape (decode shapes run
+# plain, below COMPILE_MIN_NUMEL): Note [where torch.compile pays]; CUDA is assumed there.
 _COMPILED_PAYS: dict[str, set[torch.dtype]] = {op: set() for op in OPS if op != "fused_qkv"}
+_COMPILED_PAYS.update(rms_norm={torch.bfloat16}, add_rms_norm={torch.bfloat16},
+                      rotary={torch.float32, torch.bfloat16})
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _compiled_supports(op: str) -> Supports:
+    # On CPU it is claimed (and so tested) only where it is also preferred: compiling every
+    # op in the tests costs minutes on this machine.
     def supports(device_type: str, dtype: torch.dtype) -> bool:
         if device_type == "cuda":
             return dtype in _CUDA_DTYPES
@@ -443,4 +479,5 @@ def _compiled_supports(op: str) -> Supports:
 for _op in _COMPILED_PAYS:
     register(_op, _compiled(_PLAIN[_op], min_numel=COMPILE_MIN_NUMEL), _compiled_supports(_op),
              priority=10, label="compiled")
-register("fused_qkv", _qkv_packed, lambda device, dtype: True, priority=10, label="packed")
+register("fused_qkv", _qkv_packed, _anywhere, priority=10, label="packed",
+         prefer=lambda device_type, dtype: device_type == "cuda")

@@ -4,6 +4,7 @@ Tolerances: fp32 rtol 1e-5 / atol 1e-6 (a fused or compiled kernel may sum in an
 order). bf16 rtol/atol 2**-6: bf16 keeps 8 significant bits (one ulp is 2**-7 relative),
 and a fused kernel keeps its intermediates (x + residual, the normalised x) in fp32 where
 the plain path rounds each to bf16, so results may differ by the rounding of two steps.
+fp16 (CUDA only) likewise at 2**-9 (11 significant bits).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 
 from meshspeed.inference import kernels
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2**-6, "atol": 2**-6},
+       torch.float16: {"rtol": 2**-9, "atol": 2**-9}}  # fp16: 11 significant bits, two roundings
 
 
 @pytest.fixture(autouse=True)
@@ -137,26 +139,54 @@ def compile_works():
         pytest.skip(f"torch.compile does not work here ({type(err).__name__}: {err})")
 
 
-def _cpu_compiled_ops():
-    return [op for op in ELEMENTWISE if any(i.label == "compiled" and
-            any(i.supports("cpu", t) for t in (torch.float32, torch.bfloat16))
-            for i in kernels._FAST[op])]
+def _cpu_compiled_cases():
+    return [(op, dtype) for op in ELEMENTWISE for impl in kernels._FAST[op]
+            for dtype in (torch.float32, torch.bfloat16)
+            if impl.label == "compiled" and impl.supports("cpu", dtype)]
 
 
-@pytest.mark.parametrize("op", _cpu_compiled_ops() or ["rms_norm"])
-def test_compiled_path_equals_plain(op, compile_works):
-    """The compiled path itself (no size threshold) on the ops that prefer it on this CPU."""
+@pytest.mark.parametrize("op,dtype", _cpu_compiled_cases() or [pytest.param(
+    None, None, marks=pytest.mark.skip(reason="no compiled implementation on CPU"))])
+def test_compiled_path_equals_plain(op, dtype, compile_works):
+    """The compiled path itself (no size threshold), on one non-contiguous 3-D shape: each
+    compilation costs 5-15 s on this machine, so one shape per key."""
     fn = kernels._compiled(kernels._PLAIN[op])
-    for dtype in (torch.float32, torch.bfloat16):
-        for args in op_cases(op, dtype)[1:3]:  # one contiguous, one non-contiguous shape
-            assert_same(fn(*args), kernels._PLAIN[op](*args), dtype)
+    args = op_cases(op, dtype)[2]
+    assert not args[0].is_contiguous()
+    assert_same(fn(*args), kernels._PLAIN[op](*args), dtype)
+
+
+def test_compiled_compiles_only_at_or_above_the_threshold(monkeypatch):
+    compiled_calls = []
+
+    def fake_compile(fn, dynamic):
+        def run(*args):
+            compiled_calls.append(args[0].numel())
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    fn = kernels._compiled(kernels._plain_silu_mul, min_numel=64)
+    for n in (8, 63, 64, 100):
+        torch.testing.assert_close(fn(torch.ones(n), torch.ones(n)),
+                                   kernels._plain_silu_mul(torch.ones(n), torch.ones(n)))
+    assert compiled_calls == [64, 100]
+
+
+def test_auto_prefers_compiled_on_cpu_exactly_where_it_measured_faster():
+    table = kernels.describe(("cpu", torch.float32), ("cpu", torch.bfloat16))
+    for op, pays in kernels._COMPILED_PAYS.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            want = "compiled" if dtype in pays else "plain"
+            assert table[op][f"cpu/{dtype}"] == want, (op, dtype)
+    assert table["fused_qkv"] == {"cpu/torch.float32": "plain", "cpu/torch.bfloat16": "plain"}
+    assert kernels._COMPILED_PAYS["rms_norm"] == {torch.bfloat16}  # the measured table's pick
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("op", ELEMENTWISE)
 def test_cuda_impls_equal_plain(op, dtype):
-    tol = TOL.get(dtype, dict(rtol=2**-9, atol=2**-9))  # fp16: 11 bits, two roundings
     for args in op_cases(op, dtype):
         args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
         want = kernels._PLAIN[op](*args)
@@ -165,7 +195,7 @@ def test_cuda_impls_equal_plain(op, dtype):
                 continue
             # The compiled path itself: these shapes are below its size threshold.
             fn = kernels._compiled(kernels._PLAIN[op]) if impl.label == "compiled" else impl.fn
-            assert_same(fn(*args), want, torch.bfloat16 if dtype != torch.float32 else dtype)
+            assert_same(fn(*args), want, dtype)
 
 
 # ---- dispatch ---------------------------------------------------------------------------
@@ -213,6 +243,20 @@ def test_use_plain_forces_plain_and_restores():
     assert calls == [torch.float32]
 
 
+def test_supported_but_not_preferred_runs_only_when_asked():
+    calls = []
+    kernels.register("silu_mul", _spy(calls), lambda d, t: True, priority=100, label="slow",
+                     prefer=lambda d, t: False)
+    a, b = torch.randn(2), torch.randn(2)
+    kernels.silu_mul(a, b)
+    assert calls == []
+    with kernels.use("slow"):
+        kernels.silu_mul(a, b)
+    assert calls == [torch.float32]
+    kernels.silu_mul(a, b)  # mode restored: "auto" again
+    assert calls == [torch.float32]
+
+
 def test_use_label_forces_that_impl():
     spy, other = [], []
     kernels.register("silu_mul", _spy(spy), lambda d, t: True, priority=1, label="spy")
@@ -228,7 +272,7 @@ def test_env_forces_plain():
             "print(sorted({l for r in kernels.describe().values() for l in r.values()}))")
     env = dict(os.environ, MESHSPEED_KERNELS="plain", PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['plain']"
 
@@ -275,13 +319,19 @@ def test_bad_names_are_one_sentence():
 
 # ---- fused_qkv ----------------------------------------------------------------------------
 
+@pytest.fixture
+def packed():
+    """The packed path is preferred on CUDA only (Note [fused_qkv's packed weight])."""
+    kernels.use("packed")
+
+
 def _three(x, q, k, v):
     return q(x), k(x), v(x)
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("contig", [True, False])
-def test_fused_qkv_linear_equals_three_projections(bias, contig):
+def test_fused_qkv_linear_equals_three_projections(bias, contig, packed):
     torch.manual_seed(0)
     q, k, v = torch.nn.Linear(32, 32, bias), torch.nn.Linear(32, 16, bias), torch.nn.Linear(32, 16, bias)
     x = torch.randn(2, 5, 32) if contig else _noncontig(2, 5, 32)
@@ -291,7 +341,7 @@ def test_fused_qkv_linear_equals_three_projections(bias, contig):
         assert_same(tuple(got), _three(x, q, k, v), torch.float32)
 
 
-def test_fused_qkv_hf_conv1d_and_mixed():
+def test_fused_qkv_hf_conv1d_and_mixed(packed):
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(0)
@@ -315,7 +365,7 @@ class _OwnForward(torch.nn.Linear):
         return super().forward(x) * 2
 
 
-def test_fused_qkv_calls_modules_that_are_not_plain_linears():
+def test_fused_qkv_calls_modules_that_are_not_plain_linears(packed):
     q, k, v = torch.nn.Linear(8, 8), _OwnForward(8, 8), torch.nn.Linear(8, 8)
     x = torch.randn(2, 8)
     _OwnForward.calls = 0
@@ -325,7 +375,7 @@ def test_fused_qkv_calls_modules_that_are_not_plain_linears():
     assert_same(tuple(got), _three(x, q, k, v), torch.float32)
 
 
-def test_fused_qkv_respects_hooks_and_autograd():
+def test_fused_qkv_respects_hooks_and_autograd(packed):
     q, k, v = (torch.nn.Linear(8, 8) for _ in range(3))
     seen = []
     handle = k.register_forward_pre_hook(lambda m, a: seen.append(m))
@@ -338,7 +388,7 @@ def test_fused_qkv_respects_hooks_and_autograd():
     assert all(m.weight.grad is not None for m in (q, k, v))
 
 
-def test_fused_qkv_pack_is_cached_and_rebuilt_when_a_weight_changes():
+def test_fused_qkv_pack_is_cached_and_rebuilt_when_a_weight_changes(packed):
     q, k, v = (torch.nn.Linear(8, 8) for _ in range(3))
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -365,7 +415,7 @@ def test_fused_qkv_forced_plain_calls_the_modules():
     assert kernels._packs.get(q) is None
 
 
-def test_fused_qkv_bf16_within_tolerance():
+def test_fused_qkv_bf16_within_tolerance(packed):
     q, k, v = (torch.nn.Linear(16, 16).bfloat16() for _ in range(3))
     x = torch.randn(2, 3, 16).bfloat16()
     with torch.inference_mode():
