@@ -22,6 +22,8 @@ for), it is remembered as unsupported for that key, rank 0 logs one line, and th
 path answers this call and every later one. If the plain path raises as well, the input
 was at fault, not the implementation: the plain path's error is raised and nothing is
 remembered. Only the first call is guarded; a later failure is a bug and propagates.
+An implementation registered with `min_numel` leaves smaller inputs to the plain path, and
+its first call is its first on an input at least that large.
 
 Note [where torch.compile pays]
 `torch.compile` fuses an op's elementwise chain into one pass over memory, but each call
@@ -45,14 +47,14 @@ of 20 calls, us per call, plain / compiled; decode (8, 1, 512), prefill (8, 128,
     bias_gelu       fp32      24.0 / 40.3  11145 / 12928
     bias_gelu       bf16      28.2 / 40.9   8513 /  7324
     silu_mul        fp32      10.0 / 32.4   2389 /  1884
-    silu_mul        bf16      10.3 / 24.5   2437 /  1846
+    silu_mul        bf16      10.3 / 24.5   2437 /  1846   compiled
 
 Compiled loses every decode shape: its overhead exceeds the whole plain op. So the
-compiled implementation runs plain below COMPILE_MIN_NUMEL elements and compiles above
-it, and is preferred on CPU only for the keys marked above (see _COMPILED_PAYS): the ones
-that won at prefill in each of three runs of the benchmark. (Two earlier runs with medians
-instead of minimums were noisier but agreed on these; bias_gelu and silu_mul bf16 won in
-some runs and lost in others, so they stay plain.) The bf16 norms win big because the plain
+compiled implementation is registered with min_numel=COMPILE_MIN_NUMEL (smaller inputs run
+plain), and on CPU it is claimed (so tested) and preferred only for the keys marked above
+(see _COMPILED_PAYS): the ones that won at prefill in every run of the benchmark (this one,
+two earlier and noisier ones that took medians, and one later run of the close calls:
+silu_mul bf16 won by 1.15-1.3x each time); the others lost in at least one run. The bf16 norms win big because the plain
 path makes several passes with dtype conversions that inductor fuses into one; ATen's
 layer_norm is one fused kernel already. On CUDA the compiled version is registered for
 fp32/bf16/fp16 without a measurement here (no GPU was available): fusing a norm's or
@@ -66,7 +68,8 @@ transposed) is built on the first call and kept per q module, checked on each ca
 against the identity, version counter, storage, dtype and device of the six tensors it
 came from, so loading, `.to()` or an in-place update of a weight rebuilds it. It costs one
 extra copy of the three weights. Modules that are not plain `nn.Linear` / HF `Conv1D`
-(quantized or tensor-parallel layers with forwards of their own), modules with forward
+(quantized or tensor-parallel layers with forwards of their own) or whose weights are
+tensor subclasses (torchao's quantized tensors, DTensor), modules with forward
 hooks (ZeRO-Inference gathers weights in a pre-hook), and calls that autograd must record
 (the packed copy is detached) run the three modules as they are.
 On this CPU the matmul is bound by reading the weights, which packing does not change:
@@ -151,13 +154,16 @@ OPS: tuple[str, ...] = tuple(_PLAIN)
 class Impl:
     """One implementation of an op: `fn` has the op's signature; `supports(device_type,
     dtype)` says where it runs correctly, `prefer` where "auto" should pick it (where it
-    measured faster; by default wherever supported); higher `priority` is tried first."""
+    measured faster; by default wherever supported); higher `priority` is tried first.
+    Inputs whose first tensor has fewer than `min_numel` elements run the plain path (too
+    small to repay the implementation's own overhead)."""
 
     label: str
     fn: Callable
     supports: Supports
     priority: int
     prefer: Supports
+    min_numel: int = 0
 
 
 def _anywhere(device_type: str, dtype: torch.dtype) -> bool:
@@ -173,11 +179,13 @@ _mode = os.environ.get("MESHSPEED_KERNELS", "auto").strip() or "auto"
 
 
 def register(name: str, impl: Callable, supports: Supports, priority: int = 0, *,
-             label: str | None = None, prefer: Supports | None = None) -> None:
+             label: str | None = None, prefer: Supports | None = None,
+             min_numel: int = 0) -> None:
     """Add `impl` as an implementation of op `name`, tried before lower priorities where
     `supports(device_type, dtype)` holds (and `prefer`, if given: where it pays; use(label)
-    runs it wherever supported). `label` (default: impl's __name__) names it in describe()
-    and use(); registering a label again replaces that implementation."""
+    runs it wherever supported), for inputs of at least `min_numel` elements. `label`
+    (default: impl's __name__) names it in describe() and use(); registering a label again
+    replaces that implementation."""
     if name not in _PLAIN:
         raise ValueError(f"kernels.register: {name!r} is not an op; the ops are {', '.join(OPS)}")
     label = label or getattr(impl, "__name__", None)
@@ -185,17 +193,18 @@ def register(name: str, impl: Callable, supports: Supports, priority: int = 0, *
         raise ValueError(f"kernels.register: label {label!r} for {name} is empty or reserved; "
                          "pass label= with a name other than 'plain' and 'auto'")
     impls = [i for i in _FAST[name] if i.label != label] + [
-        Impl(label, impl, supports, priority, prefer or supports)]
+        Impl(label, impl, supports, priority, prefer or supports, min_numel)]
     _FAST[name] = sorted(impls, key=lambda i: -i.priority)
-    _forget(label)
+    _forget((name, label))
 
 
-def _forget(label: str | None = None) -> None:
-    """Drop the cached picks (and, for `label`, what its first calls proved)."""
+def _forget(op_label: tuple[str, str] | None = None) -> None:
+    """Drop the cached picks (and, for an (op, label), what its first calls proved)."""
     _chosen.clear()
-    if label is not None:
-        _proven.difference_update({p for p in _proven if p[0] == label})
-        _failed.difference_update({f for f in _failed if f[0] == label})
+    if op_label is not None:
+        label, op = op_label[1], op_label[0]
+        _proven.difference_update({p for p in _proven if p[0] == label and p[1][0] == op})
+        _failed.difference_update({f for f in _failed if f[0] == label and f[1][0] == op})
 
 
 def _labels() -> set[str]:
@@ -223,7 +232,9 @@ def _call(op: str, x: torch.Tensor, *args):
     impl = _chosen.get(key)
     if impl is None:
         impl = _chosen[key] = _choose(key)
-    if impl.label == "plain" or (impl.label, key) in _proven:
+    if impl.label == "plain" or x.numel() < impl.min_numel:
+        return _PLAIN[op](x, *args)
+    if (impl.label, key) in _proven:
         return impl.fn(x, *args)
     return _first_call(impl, key, x, *args)
 
@@ -370,6 +381,8 @@ def _packable(x: torch.Tensor, m: torch.nn.Module) -> bool:
     if m._forward_hooks or m._forward_pre_hooks:
         return False
     w, b = m.weight, m.bias
+    if any(t is not None and type(t) not in (torch.nn.Parameter, torch.Tensor) for t in (w, b)):
+        return False  # a tensor subclass (quantized, DTensor) brings its own matmul
     in_dim = w.shape[1] if type(m) is torch.nn.Linear else w.shape[0]
     same = all(t.device == x.device and t.dtype == x.dtype for t in (w, b) if t is not None)
     return w.dim() == 2 and in_dim == x.shape[-1] and same
@@ -440,19 +453,16 @@ def _qkv_packed(x, q, k, v):
 COMPILE_MIN_NUMEL = 1 << 16
 
 
-def _compiled(fn: Callable, label: str = "compiled", min_numel: int = 0) -> Callable:
-    """`fn` under torch.compile, compiled lazily on its first call with an input of at least
-    `min_numel` elements (importing dynamo and compiling are costs only a caller that uses
-    it should pay); smaller inputs run `fn` as it is."""
+def _compiled(fn: Callable, label: str = "compiled") -> Callable:
+    """`fn` under torch.compile, compiled lazily on its first call (importing dynamo and
+    compiling are costs only a caller that uses it should pay)."""
     compiled = None
 
-    def run(x, *args):
+    def run(*args):
         nonlocal compiled
-        if x.numel() < min_numel:
-            return fn(x, *args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True)
-        return compiled(x, *args)
+        return compiled(*args)
 
     run.__name__ = label
     return run
@@ -462,7 +472,7 @@ def _compiled(fn: Callable, label: str = "compiled", min_numel: int = 0) -> Call
 # plain, below COMPILE_MIN_NUMEL): Note [where torch.compile pays]; CUDA is assumed there.
 _COMPILED_PAYS: dict[str, set[torch.dtype]] = {op: set() for op in OPS if op != "fused_qkv"}
 _COMPILED_PAYS.update(rms_norm={torch.bfloat16}, add_rms_norm={torch.bfloat16},
-                      rotary={torch.float32, torch.bfloat16})
+                      rotary={torch.float32, torch.bfloat16}, silu_mul={torch.bfloat16})
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -477,7 +487,7 @@ def _compiled_supports(op: str) -> Supports:
 
 
 for _op in _COMPILED_PAYS:
-    register(_op, _compiled(_PLAIN[_op], min_numel=COMPILE_MIN_NUMEL), _compiled_supports(_op),
-             priority=10, label="compiled")
+    register(_op, _compiled(_PLAIN[_op]), _compiled_supports(_op), priority=10,
+             label="compiled", min_numel=COMPILE_MIN_NUMEL)
 register("fused_qkv", _qkv_packed, _anywhere, priority=10, label="packed",
          prefer=lambda device_type, dtype: device_type == "cuda")

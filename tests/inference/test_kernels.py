@@ -112,25 +112,6 @@ def test_plain_rotary_rotates_half():
     torch.testing.assert_close(got, torch.cat((a * c - b * s, b * c + a * s), -1))
 
 
-def _supported_here():
-    found = [(op, impl.label, dtype) for op in ELEMENTWISE for impl in kernels._FAST[op]
-             for dtype in (torch.float32, torch.bfloat16) if impl.supports("cpu", dtype)]
-    return found or [pytest.param(None, None, None, marks=pytest.mark.skip(
-        reason="no implementation but plain is supported on this CPU"))]
-
-
-@pytest.mark.parametrize("op,label,dtype", _supported_here())
-def test_every_registered_impl_supported_here_equals_plain(op, label, dtype):
-    impl = next(i for i in kernels._FAST[op] if i.label == label)
-    for args in op_cases(op, dtype):
-        got, want = impl.fn(*args), kernels._PLAIN[op](*args)
-        assert_same(got, want, dtype)
-        if label == "compiled":  # below COMPILE_MIN_NUMEL: plain, bit for bit, no compiling
-            for g, w in zip(got if isinstance(got, tuple) else (got,),
-                            want if isinstance(want, tuple) else (want,)):
-                assert torch.equal(g, w)
-
-
 @pytest.fixture(scope="module")
 def compile_works():
     try:
@@ -139,48 +120,57 @@ def compile_works():
         pytest.skip(f"torch.compile does not work here ({type(err).__name__}: {err})")
 
 
-def _cpu_compiled_cases():
-    return [(op, dtype) for op in ELEMENTWISE for impl in kernels._FAST[op]
-            for dtype in (torch.float32, torch.bfloat16)
-            if impl.label == "compiled" and impl.supports("cpu", dtype)]
+def _supported_here():
+    found = [(op, impl.label, dtype) for op in ELEMENTWISE for impl in kernels._FAST[op]
+             for dtype in (torch.float32, torch.bfloat16) if impl.supports("cpu", dtype)]
+    return found or [pytest.param(None, None, None, marks=pytest.mark.skip(
+        reason="no implementation but plain is supported on this CPU"))]
 
 
-@pytest.mark.parametrize("op,dtype", _cpu_compiled_cases() or [pytest.param(
-    None, None, marks=pytest.mark.skip(reason="no compiled implementation on CPU"))])
-def test_compiled_path_equals_plain(op, dtype, compile_works):
-    """The compiled path itself (no size threshold), on one non-contiguous 3-D shape: each
-    compilation costs 5-15 s on this machine, so one shape per key."""
-    fn = kernels._compiled(kernels._PLAIN[op])
-    args = op_cases(op, dtype)[2]
-    assert not args[0].is_contiguous()
-    assert_same(fn(*args), kernels._PLAIN[op](*args), dtype)
+@pytest.mark.parametrize("op,label,dtype", _supported_here())
+def test_every_registered_impl_supported_here_equals_plain(op, label, dtype, request):
+    """The implementation itself, not the dispatcher (whose min_numel would send these tiny
+    inputs to plain). A compiled one gets one non-contiguous 3-D shape: each compilation
+    costs 5-15 s on this machine."""
+    impl = next(i for i in kernels._FAST[op] if i.label == label)
+    cases = op_cases(op, dtype)
+    if label == "compiled":
+        request.getfixturevalue("compile_works")
+        cases = cases[2:3]
+        assert not cases[0][0].is_contiguous()
+    for args in cases:
+        assert_same(impl.fn(*args), kernels._PLAIN[op](*args), dtype)
 
 
-def test_compiled_compiles_only_at_or_above_the_threshold(monkeypatch):
-    compiled_calls = []
-
-    def fake_compile(fn, dynamic):
-        def run(*args):
-            compiled_calls.append(args[0].numel())
-            return fn(*args)
-        return run
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    fn = kernels._compiled(kernels._plain_silu_mul, min_numel=64)
-    for n in (8, 63, 64, 100):
-        torch.testing.assert_close(fn(torch.ones(n), torch.ones(n)),
-                                   kernels._plain_silu_mul(torch.ones(n), torch.ones(n)))
-    assert compiled_calls == [64, 100]
-
-
-def test_auto_prefers_compiled_on_cpu_exactly_where_it_measured_faster():
+def test_preferred_compiled_ops_are_the_measured_ones():
     table = kernels.describe(("cpu", torch.float32), ("cpu", torch.bfloat16))
     for op, pays in kernels._COMPILED_PAYS.items():
         for dtype in (torch.float32, torch.bfloat16):
             want = "compiled" if dtype in pays else "plain"
             assert table[op][f"cpu/{dtype}"] == want, (op, dtype)
     assert table["fused_qkv"] == {"cpu/torch.float32": "plain", "cpu/torch.bfloat16": "plain"}
-    assert kernels._COMPILED_PAYS["rms_norm"] == {torch.bfloat16}  # the measured table's pick
+    assert kernels._COMPILED_PAYS["rms_norm"] == {torch.bfloat16}  # the Note's table
+
+
+def test_small_inputs_run_plain_below_min_numel():
+    calls = []
+    kernels.register("silu_mul", _spy(calls), lambda d, t: True, priority=100, label="spy",
+                     min_numel=64)
+    for n in (8, 63, 64, 100):
+        kernels.silu_mul(torch.ones(n), torch.ones(n))
+    assert len(calls) == 2
+
+
+def test_min_numel_first_real_call_is_the_one_guarded():
+    # Small calls prove nothing: the implementation's first call is its first large one.
+    calls = []
+    kernels.register("silu_mul", _spy(calls, fail=True), lambda d, t: True, priority=100,
+                     label="broken", min_numel=64)
+    kernels.silu_mul(torch.ones(8), torch.ones(8))
+    big = torch.randn(64)
+    torch.testing.assert_close(kernels.silu_mul(big, big), kernels._plain_silu_mul(big, big))
+    kernels.silu_mul(big, big)
+    assert len(calls) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a CUDA device")
@@ -193,9 +183,18 @@ def test_cuda_impls_equal_plain(op, dtype):
         for impl in kernels._FAST[op]:
             if not impl.supports("cuda", dtype):
                 continue
-            # The compiled path itself: these shapes are below its size threshold.
-            fn = kernels._compiled(kernels._PLAIN[op]) if impl.label == "compiled" else impl.fn
-            assert_same(fn(*args), want, dtype)
+            assert_same(impl.fn(*args), want, dtype)  # the impl itself: no min_numel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_fused_qkv_packed_by_default(dtype):
+    q, k, v = (torch.nn.Linear(64, n).to("cuda", dtype) for n in (64, 32, 32))
+    x = torch.randn(4, 3, 64, device="cuda", dtype=dtype)
+    with torch.inference_mode():
+        got = kernels.fused_qkv(x, q, k, v)
+        assert kernels._packs.get(q) is not None
+        assert_same(tuple(got), _three(x, q, k, v), dtype)
 
 
 # ---- dispatch ---------------------------------------------------------------------------
@@ -373,6 +372,19 @@ def test_fused_qkv_calls_modules_that_are_not_plain_linears(packed):
         got = kernels.fused_qkv(x, q, k, v)
     assert _OwnForward.calls == 1 and kernels._packs.get(q) is None
     assert_same(tuple(got), _three(x, q, k, v), torch.float32)
+
+
+def test_fused_qkv_calls_modules_whose_weight_is_a_tensor_subclass(packed):
+    class Marked(torch.Tensor):  # stands for a quantized or distributed weight tensor
+        pass
+
+    q, k, v = (torch.nn.Linear(8, 8) for _ in range(3))
+    with torch.no_grad():
+        k.weight = torch.nn.Parameter(k.weight.detach().as_subclass(Marked))
+        assert type(k.weight) is not torch.nn.Parameter
+        got = kernels.fused_qkv(torch.ones(2, 8), q, k, v)
+    assert kernels._packs.get(q) is None
+    assert_same(tuple(got), _three(torch.ones(2, 8), q, k, v), torch.float32)
 
 
 def test_fused_qkv_respects_hooks_and_autograd(packed):
