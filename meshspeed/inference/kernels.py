@@ -13,9 +13,11 @@ dtype at hand, and the plain PyTorch path runs everywhere else:
 
 Note [which implementation runs]
 Every op has its plain implementation (the reference: always supported, never replaced)
-and any number of faster ones, each with `supports(device_type, dtype) -> bool` and a
-priority. The first call of an op on a (device type, dtype) picks the highest-priority
-implementation that supports it and remembers the pick for that key, so later calls cost
+and any number of faster ones, each with `supports(device_type, dtype) -> bool` (runs
+correctly there), `prefer` (worth running there: measured faster; by default the same)
+and a priority. The first call of an op on a (device type, dtype) picks the
+highest-priority implementation that supports and prefers it (under `use(label)`: that
+label wherever it is supported) and remembers the pick for that key, so later calls cost
 one dict lookup. A faster implementation's first call on a key is tried: if it raises
 (torch.compile without a working C++ compiler, a Triton kernel on a GPU it was not built
 for), it is remembered as unsupported for that key, rank 0 logs one line, and the plain
@@ -73,7 +75,7 @@ tensor subclasses (torchao's quantized tensors, DTensor), modules with forward
 hooks (ZeRO-Inference gathers weights in a pre-hook), and calls that autograd must record
 (the packed copy is detached) run the three modules as they are.
 On this CPU the matmul is bound by reading the weights, which packing does not change:
-measured (as above, 40 runs) plain / packed 227 / 253 us fp32 and 132 / 113 us bf16 at
+measured (`benchmarks/kernels.py --ops fused_qkv --repeats 40`) plain / packed 227 / 253 us fp32 and 132 / 113 us bf16 at
 decode, 26.4 / 26.5 ms and 7.9 / 8.4 ms at prefill: no gain worth a copy of the weights, so
 on CPU it runs only when asked for (`use("packed")`). It is preferred on CUDA, where
 decode is bound by kernel launches (unmeasured here: no GPU).

@@ -314,6 +314,9 @@ def test_bad_names_are_one_sentence():
         kernels.register("silu_mul", lambda g, u: g, lambda d, t: True, label="plain")
     with pytest.raises(ValueError, match="'fastest' names no implementation"):
         kernels.use("fastest")
+    kernels._set_mode("fastest")  # as MESHSPEED_KERNELS=fastest would at import
+    with pytest.raises(ValueError, match="'fastest' .*MESHSPEED_KERNELS.* names no"):
+        kernels.rms_norm(torch.ones(2), torch.ones(2), 1e-6)
 
 
 # ---- fused_qkv ----------------------------------------------------------------------------
