@@ -296,6 +296,21 @@ def test_failing_impl_falls_back_once_and_is_remembered(caplog):
     assert calls == [torch.float32, torch.bfloat16]
 
 
+def test_only_the_first_call_is_guarded():
+    calls = []
+
+    def works_once(gate, up):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("a bug in a proven implementation")
+        return kernels._plain_silu_mul(gate, up)
+
+    kernels.register("silu_mul", works_once, lambda d, t: True, priority=100, label="once")
+    kernels.silu_mul(torch.ones(2), torch.ones(2))
+    with pytest.raises(RuntimeError, match="a bug in a proven"):  # not hidden by a fallback
+        kernels.silu_mul(torch.ones(2), torch.ones(2))
+
+
 def test_input_error_is_not_blamed_on_the_impl():
     calls = []
     kernels.register("silu_mul", _spy(calls, fail=True), lambda d, t: True, priority=100,
