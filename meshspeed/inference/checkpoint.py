@@ -124,7 +124,7 @@ def _load_safetensors(model: nn.Module, path: str) -> LoadStats:
     where: dict[str, object] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for h in handles:
-        for key in h.keys():
+        for key in h.keys():  # noqa: SIM118 - a safe_open handle is not iterable
             where[key] = h
             shapes[key] = tuple(h.get_slice(key).get_shape())
     found = _check_fit(path, model, shapes, {})

@@ -43,7 +43,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 def canonical_dtype(value: Any) -> Any:
     """"fp32" / "fp16" / "bf16" for any accepted spelling; anything else unchanged (the
     field's validation then names it)."""
-    if isinstance(value, torch.dtype) or isinstance(value, str):
+    if isinstance(value, (torch.dtype, str)):
         key = value.lower() if isinstance(value, str) else value
         if key in ("int8", torch.int8, "torch.int8"):
             raise ConfigError("dtype: int8 is weight quantization in meshspeed, not a compute "
@@ -221,7 +221,7 @@ def _canonical(raw: dict, model: type[StrictModel], path: str, problems: list[st
         name = model.key_aliases.get(key, key)
         if name not in fields:
             here = sorted(set(fields) | set(model.key_aliases) | (set(_LEGACY) if not path else set()))
-            guess = closest(str(key), here)
+            guess = closest(str(key), here) or _prefix_match(str(key), here)
             hint = f"did you mean '{guess}'?" if guess else f"valid keys here: {', '.join(here)}"
             problems.append(f"{full}: unknown init_inference key; {hint}")
             continue
@@ -239,6 +239,13 @@ def _canonical(raw: dict, model: type[StrictModel], path: str, problems: list[st
         here_path = f"{path}.{name}" if path else name
         out[name] = _merge(out[name], value, here_path, problems) if name in out else value
     return out
+
+
+def _prefix_match(key: str, candidates: list[str]) -> str | None:
+    """A valid key that starts the given one or is started by it ("quantization" ->
+    "quant"), which difflib's ratio misses when the lengths differ much."""
+    hits = [c for c in candidates if min(len(c), len(key)) >= 4 and (key.startswith(c) or c.startswith(key))]
+    return max(hits, key=len) if hits else None
 
 
 def _submodel(annotation: Any) -> type[StrictModel] | None:

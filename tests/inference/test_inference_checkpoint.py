@@ -15,7 +15,7 @@ import meshspeed
 from meshspeed.inference.engine import init_inference
 from meshspeed.tensor_parallel.spec import shards_by_param
 from meshspeed.testing import run_distributed
-from tests.inference.test_init_inference import VOCAB, build, logits, prompt
+from tests.inference.test_init_inference import VOCAB, build, device, logits, prompt
 
 
 def expected_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -42,7 +42,7 @@ def test_safetensors_file_tp1(tmp_path):
     _save_safetensors(saved, str(tmp_path / "model.safetensors"))
     ids = prompt()
     engine = init_inference(build("gpt2", seed=5), checkpoint="model.safetensors", base_dir=str(tmp_path))
-    assert torch.equal(logits(engine, ids), logits(saved, ids))
+    assert torch.equal(logits(engine, ids), logits(saved.to(device()), ids))
     mine, whole = expected_bytes(engine.module)
     assert engine.load_stats.bytes_read == mine == whole
 
@@ -54,7 +54,7 @@ def test_hf_sharded_directory_tp1(tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     engine = init_inference(build("llama", seed=5), checkpoint=str(tmp_path))
     ids = prompt()
-    assert torch.equal(logits(engine, ids), logits(saved, ids))
+    assert torch.equal(logits(engine, ids), logits(saved.to(device()), ids))
 
 
 def _tp2_from_files(family: str, root: str):

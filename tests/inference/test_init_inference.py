@@ -31,26 +31,42 @@ def build(family: str, seed: int = 0, **over) -> torch.nn.Module:
     if family == "gpt2":
         import transformers
 
-        cfg = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
-                   eos_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64, "bos_token_id": 0,
+                   "eos_token_id": 1, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**cfg, **over})).float().eval()
     if family == "llama":
         import transformers
 
-        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
-                   bos_token_id=0, eos_token_id=1)
+        cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 128,
+                   "bos_token_id": 0, "eos_token_id": 1}
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **over})).float().eval()
     from meshspeed.models.gpt import GPT, GPTConfig
 
-    cfg = dict(vocab_size=VOCAB, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64)
+    cfg = {"vocab_size": VOCAB, "max_seq_len": 64, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 64}
     return GPT(GPTConfig(**{**cfg, **over})).float().eval()
 
 
+def device() -> torch.device:
+    """Where init_inference puts a CPU model in this process (it moves models to the GPU
+    when there is one, as DeepSpeed does); references are run there too, so that exact
+    comparisons compare the same kernels."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits for ids (moved to the model's device), on the CPU."""
+    param = next(model.parameters()) if isinstance(model, torch.nn.Module) else None
     with torch.no_grad():
-        out = model(ids)
-    return out if torch.is_tensor(out) else out.logits
+        out = model(ids.to(param.device) if param is not None else ids)
+    return (out if torch.is_tensor(out) else out.logits).cpu()
+
+
+def hf_generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy Hugging Face generate on the model's device; the tokens on the CPU."""
+    ids = ids.to(next(model.parameters()).device)
+    return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0).cpu()
 
 
 def prompt(batch: int = 2, length: int = 8, seed: int = 1) -> torch.Tensor:
@@ -107,18 +123,20 @@ def test_no_effect_keys_are_accepted_and_logged(caplog):
 # -- forward parity at tp=1 --------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_matches_the_model(family):
-    model = build(family)
+    model = build(family).to(device())
     ids = prompt()
     ref = logits(model, ids)
     engine = init_inference(model, {"dtype": "fp32"})
     assert engine.module is model and isinstance(engine, InferenceEngine)
     assert not model.training
     assert torch.equal(logits(engine, ids), ref)
-    assert torch.equal(logits(engine.forward, ids), ref)
+    with torch.no_grad():
+        out = engine.forward(ids.to(device()))
+    assert torch.equal((out if torch.is_tensor(out) else out.logits).cpu(), ref)
 
 
 def test_dtype_casts_the_model():
-    model, ref_model = build("llama"), build("llama").half()
+    model, ref_model = build("llama"), build("llama").half().to(device())
     ids = prompt()
     engine = init_inference(model, dtype="fp16")
     assert {p.dtype for p in engine.module.parameters()} == {torch.float16}
@@ -128,9 +146,9 @@ def test_dtype_casts_the_model():
 def test_hf_generate_through_module():
     model = build("gpt2")
     ids = prompt()
-    ref = copy.deepcopy(model).generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = hf_generate(copy.deepcopy(model).to(device()), ids, 6)
     engine = init_inference(model)
-    assert torch.equal(engine.module.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), ref)
+    assert torch.equal(hf_generate(engine.module, ids, 6), ref)
 
 
 # -- quantization and ZeRO-Inference hand-offs ---------------------------------------------------
@@ -185,8 +203,7 @@ def _tp2_parity(family: str):
     result = {"split": split, "shape": tuple(out.shape), "diff": (out - ref).abs().max().item(),
               "logits": out}
     if family != "gpt":
-        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-        result["same_tokens"] = torch.equal(engine.module.generate(ids, **kw), ref_model.generate(ids, **kw))
+        result["same_tokens"] = torch.equal(hf_generate(engine.module, ids, 8), hf_generate(ref_model, ids, 8))
     return result
 
 
@@ -206,8 +223,9 @@ def test_engine_generate_matches_hf_greedy():
     pytest.importorskip("meshspeed.inference.generation")
     model = build("gpt2")
     ids = prompt()
-    ref = copy.deepcopy(model).generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(init_inference(model).generate(ids, max_new_tokens=6), ref)
+    ref = hf_generate(copy.deepcopy(model).to(device()), ids, 6)
+    out = init_inference(model).generate(ids.to(device()), max_new_tokens=6)
+    assert torch.equal(out.cpu(), ref)
 
 
 # -- DeepSpeed names ------------------------------------------------------------------------------
