@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,18 @@ def _logical_shape(param: torch.Tensor, shard: TPShard | None) -> tuple[int, ...
     return tuple(shard.logical_shape) if shard is not None else tuple(param.shape)
 
 
+def spellings(model: nn.Module, name: str) -> list[str]:
+    """The names a checkpoint may use for the model's tensor `name`: itself, and for a
+    Hugging Face model with a base model (GPT2LMHeadModel.transformer, LlamaForCausalLM.model)
+    the name with that prefix dropped or added -- checkpoints of the base model (the hub's
+    own `gpt2`) load into the model with a head, as `from_pretrained` allows."""
+    base = getattr(model, "base_model_prefix", "")
+    if not base or not isinstance(getattr(model, base, None), nn.Module):
+        return [name]
+    prefix = f"{base}."
+    return [name, name[len(prefix):]] if name.startswith(prefix) else [name, prefix + name]
+
+
 def _check_fit(where: str, model: nn.Module, saved_shapes: dict[str, tuple[int, ...]],
                aliases: dict[str, str]) -> dict[str, str]:
     """{model parameter name: its name in the checkpoint}; a one-sentence CheckpointError
@@ -77,8 +90,11 @@ def _check_fit(where: str, model: nn.Module, saved_shapes: dict[str, tuple[int, 
     shards = shards_by_param(model)
     found: dict[str, str] = {}
     missing = []
+    known: set[str] = set()  # every spelling of every model tensor
     for name, all_names in _targets(model).items():
-        saved = next((aliases.get(n, n) for n in all_names if aliases.get(n, n) in saved_shapes), None)
+        names = [aliases.get(s, s) for n in all_names for s in spellings(model, n)]
+        known.update(names)
+        saved = next((n for n in names if n in saved_shapes), None)
         if saved is None:
             missing.append(name)
             continue
@@ -89,9 +105,14 @@ def _check_fit(where: str, model: nn.Module, saved_shapes: dict[str, tuple[int, 
                 f"checkpoint {where} is for another model: parameter {name!r} has shape "
                 f"{tuple(saved_shapes[saved])} in the checkpoint but {want} in the model")
         found[name] = saved
-    known = set(found.values()) | {n for n, _ in model.named_buffers()}
-    known |= {n for names in _targets(model).values() for n in names}  # a tie saved twice
-    unexpected = [n for n in saved_shapes if n not in known]
+    known.update(s for n, _ in model.named_buffers() for s in spellings(model, n))
+    # transformers' list of checkpoint names its models ignore (old GPT-2 attention masks),
+    # matched as whole trailing name components: GPT-2's "attn.bias" must not also hide
+    # "h.2.attn.c_attn.bias" of a deeper model.
+    ignore = [re.compile(rf"(?:^|\.)(?:{p})$")
+              for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unexpected = [n for n in saved_shapes
+                  if n not in known and not any(p.search(n) for p in ignore)]
     if missing or unexpected:
         first = (f"parameter {missing[0]!r} of the model is not in it" if missing
                  else f"its tensor {unexpected[0]!r} is not a parameter of the model")
@@ -135,8 +156,9 @@ def _load_safetensors(model: nn.Module, path: str) -> LoadStats:
             p = params[name]
             _fill_from_slice(p, shards.get(id(p)), where[saved].get_slice(saved), stats)
         for name, buf in model.named_buffers():
-            if name in where and tuple(buf.shape) == shapes[name]:
-                value = where[name].get_tensor(name)
+            saved = next((s for s in spellings(model, name) if s in where), None)
+            if saved is not None and tuple(buf.shape) == shapes[saved]:
+                value = where[saved].get_tensor(saved)
                 stats.bytes_read += value.numel() * value.element_size()
                 buf.copy_(value)
                 stats.tensors += 1

@@ -47,6 +47,25 @@ def test_safetensors_file_tp1(tmp_path):
     assert engine.load_stats.bytes_read == mine == whole
 
 
+def test_base_model_checkpoint_into_model_with_head(tmp_path):
+    """The hub's `gpt2` holds GPT2Model's names (no `transformer.` prefix); the head is tied."""
+    saved = build("gpt2", seed=0)
+    _save_safetensors(saved.transformer, str(tmp_path / "base.safetensors"))
+    engine = init_inference(build("gpt2", seed=5), checkpoint=str(tmp_path / "base.safetensors"))
+    ids = prompt()
+    assert torch.equal(logits(engine, ids), logits(saved.to(device()), ids))
+
+
+def test_checkpoint_into_fp16_model(tmp_path):
+    saved = build("gpt2", seed=0)
+    _save_safetensors(saved, str(tmp_path / "model.safetensors"))
+    engine = init_inference(build("gpt2", seed=5), dtype=torch.float16,
+                            checkpoint=str(tmp_path / "model.safetensors"))
+    assert {p.dtype for p in engine.module.parameters()} == {torch.float16}
+    ids = prompt()  # the same rounding of the same weights, the same ops: exact
+    assert torch.equal(logits(engine, ids), logits(saved.half().to(device()), ids))
+
+
 def test_hf_sharded_directory_tp1(tmp_path):
     saved = build("llama", seed=0)
     saved.save_pretrained(tmp_path, max_shard_size="60KB")

@@ -228,6 +228,19 @@ def test_engine_generate_matches_hf_greedy():
     assert torch.equal(out.cpu(), ref)
 
 
+def _tp2_engine_generate(family: str) -> bool:
+    model = build(family)
+    ref_model, ids = copy.deepcopy(model), prompt()
+    out = init_inference(model, tensor_parallel={"tp_size": 2}).generate(ids, max_new_tokens=8)
+    return torch.equal(out, hf_generate(ref_model, ids, 8))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_tp2_engine_generate_matches_hf_greedy(family):
+    pytest.importorskip("meshspeed.inference.generation")
+    assert run_distributed(_tp2_engine_generate, world_size=2, args=(family,)) == [True, True]
+
+
 # -- DeepSpeed names ------------------------------------------------------------------------------
 def test_names_for_the_deepspeed_alias():
     from meshspeed.inference import config, engine
