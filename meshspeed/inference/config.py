@@ -58,6 +58,17 @@ class TPConfig(StrictModel):
     enabled: bool = True  # False: tp_size is ignored and the model stays whole
     tp_size: PositiveInt = 1  # ranks each weight matrix is split over
     tp_grain_size: PositiveInt = 1  # no effect: meshspeed splits whole heads evenly
+    # DeepSpeed's ways to hand in a group of one's own; meshspeed builds it from the world
+    tp_group: Any = None
+    mpu: Any = None
+
+    @model_validator(mode="after")
+    def _no_own_group(self):
+        for key in ("tp_group", "mpu"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"{key}: a process group of one's own is not supported; meshspeed "
+                                 "builds the tensor-parallel group from the world (give tp_size only)")
+        return self
 
 
 class QuantConfig(StrictModel):

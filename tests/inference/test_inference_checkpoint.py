@@ -12,6 +12,7 @@ import copy
 import torch
 
 import meshspeed
+from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.inference.engine import init_inference
 from meshspeed.tensor_parallel.spec import shards_by_param
 from meshspeed.testing import run_distributed
@@ -122,14 +123,22 @@ def _meshspeed_checkpoint(root: str, load_tp: int):
     inf = init_inference(build("gpt", seed=5), tensor_parallel={"tp_size": load_tp},
                          checkpoint=f"{root}")
     mine, whole = expected_bytes(inf.module)
+    try:  # the same checkpoint into a wider model: logical shapes compared, whatever the tp
+        init_inference(build("gpt", d_model=128), tensor_parallel={"tp_size": load_tp}, checkpoint=root)
+        wrong = "no error"
+    except CheckpointError as err:
+        wrong = str(err)
     return {"diff": (logits(inf, ids) - ref).abs().max().item(), "read": inf.load_stats.bytes_read,
-            "mine": mine, "whole": whole, "shape": tuple(logits(inf, ids).shape)}
+            "mine": mine, "whole": whole, "shape": tuple(logits(inf, ids).shape), "wrong": wrong}
 
 
 def test_meshspeed_checkpoint_tp2(tmp_path):
     results = run_distributed(_meshspeed_checkpoint, world_size=2, args=(str(tmp_path), 2))
     _check_half(results)
-    assert all(r["shape"] == (2, 8, VOCAB) for r in results)
+    for r in results:
+        assert r["shape"] == (2, 8, VOCAB)
+        assert r["wrong"].endswith("is for another model: parameter 'tok_emb.weight' has shape "
+                                   "(128, 64) in the checkpoint but (128, 128) in the model"), r["wrong"]
 
 
 def test_meshspeed_checkpoint_tp1_reads_whole_model(tmp_path):

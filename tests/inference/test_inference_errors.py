@@ -108,6 +108,7 @@ def test_prompt_longer_than_max_out_tokens():
     ({"zero": {"stage": 2}}, {}, "zero.stage: must be one of 0 or 3 (got 2)"),
     ({"save_mp_checkpoint_path": "/tmp/x"}, {}, "save_mp_checkpoint_path: meshspeed does not write"),
     ({"ep_size": 2}, {}, "ep_size 2: expert parallelism is not part of meshspeed inference"),
+    ({"tensor_parallel": {"tp_group": object()}}, {}, "tensor_parallel: tp_group: a process group of one's own is not supported"),
     ([1, 2], {}, "config must be a dict, a JSON file path or None, got list"),
 ])
 def test_config_errors(config, kwargs, want):
