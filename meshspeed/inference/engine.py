@@ -8,8 +8,9 @@ Order of work (each step checks its input before changing anything):
      key/value heads; the model is split in place by `apply_tensor_parallel` with its
      automatic (Hugging Face) or own (`tp_plan`) plan, its vocabulary head gathering the
      logits (Note [full logits on every rank]);
-  4. the cast to the compute dtype, then the checkpoint, read straight into each rank's
-     shards (checkpoint.py);
+  4. the cast to the compute dtype (parameters built on the meta device get storage for
+     their local shard only), then the checkpoint, read straight into each rank's shards
+     (checkpoint.py);
   5. weight-only quantization or ZeRO-Inference partitioning, when asked for.
 
 Note [full logits on every rank]
@@ -73,6 +74,7 @@ class InferenceEngine(nn.Module):
         report_no_effect(cfg, dist.get_rank() if dist.is_initialized() else 0)
         if cfg.tp_size > 1:
             split_for_inference(model, self.topology)
+        materialize_meta(model, device, cfg.torch_dtype, has_checkpoint=bool(cfg.checkpoint))
         model.to(device=device, dtype=cfg.torch_dtype)
         if cfg.checkpoint:
             self.load_stats = load_into_shards(model, os.path.join(cfg.base_dir, cfg.checkpoint))
@@ -126,9 +128,9 @@ def _prompt_length(input_ids: Any) -> int:
 
 
 def _target_device(model: nn.Module) -> torch.device:
-    """Where the model runs: where it is, or the rank's GPU for a CPU model when CUDA
-    is available (as DeepSpeed moves it)."""
-    param = next(model.parameters(), None)
+    """Where the model runs: where it is, or the rank's GPU for a CPU (or meta) model when
+    CUDA is available (as DeepSpeed moves it); the CPU for a meta model without CUDA."""
+    param = next((p for p in model.parameters() if not p.is_meta), None)
     device = param.device if param is not None else torch.device("cpu")
     if device.type == "cpu" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -201,6 +203,37 @@ def split_for_inference(model: nn.Module, topology: Any) -> nn.Module:
     return model
 
 
+def materialize_meta(model: nn.Module, device: torch.device, dtype: torch.dtype, *,
+                     has_checkpoint: bool) -> None:
+    """Give parameters on the meta device real (uninitialised) storage of their local
+    shape, so a model built without memory (`torch.device("meta")`, accelerate's
+    `init_empty_weights`) is split first and then only this rank's shards are allocated
+    and filled from the checkpoint. Tied parameters stay one Parameter. Buffers must be
+    real already: a checkpoint need not hold them (rotary tables are not saved)."""
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if not on_meta:
+        return
+    if not has_checkpoint:
+        raise ConfigError(f"{len(on_meta)} parameters of {type(model).__name__} are on the meta "
+                          f"device (first: {on_meta[0]!r}) and no checkpoint is given to fill them; "
+                          "pass checkpoint=... or build the model with real weights")
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ConfigError(f"buffer {meta_buffers[0]!r} of {type(model).__name__} is on the meta "
+                          "device; checkpoints do not hold every buffer, so build the model with "
+                          "meta parameters only (accelerate's init_empty_weights(include_buffers="
+                          "False))")
+    real: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module.named_parameters(recurse=False)):
+            if not p.is_meta:
+                continue
+            if id(p) not in real:
+                real[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                           requires_grad=p.requires_grad)
+            setattr(module, attr, real[id(p)])
+
+
 def _kind(entry: Any) -> str | None:
     if isinstance(entry, str):
         return entry
@@ -231,4 +264,4 @@ def _partition(model: nn.Module, cfg: InferenceConfig, topology: Any) -> None:
 
 
 __all__ = ["DeepSpeedInferenceConfig", "InferenceEngine", "check_dtype_runs", "check_heads",
-           "init_inference", "split_for_inference"]
+           "init_inference", "materialize_meta", "split_for_inference"]

@@ -109,6 +109,34 @@ def test_hf_directory_llama_tp2(tmp_path):
     _check_half(run_distributed(_tp2_from_files, world_size=2, args=("llama", str(tmp_path))))
 
 
+def _meta_model_tp2(root: str):
+    """A GPT-2 built on the meta device (no memory), split, then only this rank's shards
+    allocated and read: resident parameter bytes are the shard's, never the whole model's."""
+    ids = prompt()
+    saved = build("gpt2", seed=0)
+    ref = logits(saved, ids)
+    if torch.distributed.get_rank() == 0:
+        _save_safetensors(saved, f"{root}/model.safetensors")
+    torch.distributed.barrier()
+    with torch.device("meta"):
+        model = build("gpt2", seed=5)
+    engine = init_inference(model, tensor_parallel={"tp_size": 2}, checkpoint=f"{root}/model.safetensors")
+    mine, whole = expected_bytes(engine.module)
+    resident = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    padding = resident - mine  # the vocabulary's padding rows, if any
+    return {"diff": (logits(engine, ids) - ref).abs().max().item(), "read": engine.load_stats.bytes_read,
+            "mine": mine, "whole": whole, "resident": resident, "padding": padding,
+            "meta": any(p.is_meta for p in engine.module.parameters())}
+
+
+def test_meta_model_allocates_only_its_shards(tmp_path):
+    results = run_distributed(_meta_model_tp2, world_size=2, args=(str(tmp_path),))
+    _check_half(results)
+    for r in results:
+        assert not r["meta"]
+        assert r["padding"] == 0 and r["resident"] == r["mine"] < 0.6 * r["whole"]
+
+
 def _meshspeed_checkpoint(root: str, load_tp: int):
     """Save from a training engine (2 data-parallel ranks, ZeRO stage 1: each rank's file
     holds half of every master), then load at tp=load_tp into a model with other weights."""

@@ -64,6 +64,19 @@ def test_checkpoint_of_another_family_names_missing_and_unexpected(tmp_path):
         init_inference(build("gpt2"), checkpoint=str(tmp_path / "nothing_here"))
 
 
+def test_meta_model_without_checkpoint():
+    with torch.device("meta"):
+        model = build("gpt2")
+    with pytest.raises(ConfigError, match=r"^\d+ parameters of GPT2LMHeadModel are on the meta device "
+                       r"\(first: 'transformer\.wte\.weight'\) and no checkpoint is given"):
+        init_inference(model)
+    with torch.device("meta"):
+        model = build("llama")  # its rotary table is a meta buffer too
+    with pytest.raises(ConfigError, match=r"^buffer 'model\.rotary_emb\.inv_freq' of LlamaForCausalLM is "
+                       r"on the meta device"):
+        init_inference(model, checkpoint="anything")
+
+
 def test_a_dtype_the_device_cannot_run():
     check_dtype_runs(torch.float32, torch.device("cpu"))  # runs: no error
     # CPU torch has no float8 matmul: the probe itself finds that, nothing patched.
