@@ -200,8 +200,13 @@ def _tp2_parity(family: str):
     engine = init_inference(model, tensor_parallel={"tp_size": 2})
     split = any(getattr(m, "tp_shards", None) for m in engine.module.modules())
     out = logits(engine, ids)
+    with torch.no_grad():  # the model's own loss, over whole logits (no vocab-parallel swap)
+        if family == "gpt":
+            losses = engine(ids, ids), ref_model(ids, ids)
+        else:
+            losses = engine(ids, labels=ids).loss, ref_model(ids, labels=ids).loss
     result = {"split": split, "shape": tuple(out.shape), "diff": (out - ref).abs().max().item(),
-              "logits": out}
+              "logits": out, "loss_diff": (losses[0] - losses[1]).abs().item()}
     if family != "gpt":
         result["same_tokens"] = torch.equal(hf_generate(engine.module, ids, 8), hf_generate(ref_model, ids, 8))
     return result
@@ -214,6 +219,7 @@ def test_tp2_forward_and_hf_generate(family):
         assert r["split"], "the model was not split"
         assert r["shape"] == (2, 8, VOCAB)  # whole vocabulary on every rank
         assert r["diff"] < 1e-5, r["diff"]
+        assert r["loss_diff"] < 1e-5, r["loss_diff"]
         assert r.get("same_tokens", True)
     assert torch.equal(r0["logits"], r1["logits"])  # ranks agree bit for bit
 
