@@ -20,6 +20,7 @@ _LAZY = {
     "ConfigError": ("meshspeed.config.errors", "ConfigError"),
     "DivergenceError": ("meshspeed.engine.agreement", "DivergenceError"),
     "estimate_memory": ("meshspeed.planner.estimate", "estimate_memory"),
+    "init_inference": ("meshspeed.inference.engine", "init_inference"),
     "apply_tensor_parallel": ("meshspeed.tensor_parallel.apply", "apply_tensor_parallel"),
     "tp_model_init": ("meshspeed.tensor_parallel.deepspeed_api", "tp_model_init"),
     "set_autotp_mode": ("meshspeed.tensor_parallel.deepspeed_api", "set_autotp_mode"),
