@@ -10,7 +10,8 @@ step of the model over a set of sequences:
 ops per layer whatever the batch. `k`/`v` are (B, kv_heads, T, head_dim) with each
 sequence's new tokens at the left of T (row b holds `new_tokens[b]` real ones); the
 result is (B, kv_heads, L, head_dim) where L is the longest sequence after the step, with
-`step.mask` (B, 1, T, L) saying which keys each query may see (causal, own tokens only).
+`step.mask` (B, 1, T, L) saying which keys each query may see (causal, own tokens only;
+None with `step.causal` when rows are even, Note [no mask when rows are even]).
 
 Storage is allocated at a layer's first write, from the shape and dtype of what the
 model produced: kv heads and head_dim are read from the projection outputs (under tensor
@@ -43,24 +44,36 @@ class Step:
     new_tokens: torch.Tensor  # (B,) real new tokens per row
     positions: torch.Tensor  # (B, T) absolute positions of the new tokens (padding: last real)
     valid: torch.Tensor  # (B, T) bool, which of the T query rows are real tokens
-    mask: torch.Tensor  # (B, 1, T, L) bool, key j visible to query t of row b
+    mask: torch.Tensor | None  # (B, 1, T, L) bool, key j visible to query t of row b;
+    #   None when no row is shorter than another (Note [no mask when rows are even])
+    causal: bool  # with mask None: queries see keys up to their own position (T == L)
+    keys: int  # L, the longest row after the step
     write: torch.Tensor  # cache-specific index of each real new token (row-major over valid)
-    read: torch.Tensor | slice  # cache-specific index of the L keys of each row
+    read: torch.Tensor | slice  # cache-specific index of the keys of each row
     decode: bool  # T == 1 and every row real: the write needs no `valid` selection
 
 
-def _plan(starts: list[int], counts: list[int], device) -> tuple[torch.Tensor, ...]:
-    """positions, valid and mask of a step whose rows hold `counts` new tokens after
-    `starts` cached ones."""
+# Note [no mask when rows are even]
+# When every row has the same start and count (a batch of equal prompts, or decode of
+# sequences of one length) nothing needs masking but causality, and SDPA's unmasked path
+# is the fast one: the step carries mask=None and `causal` (prefill from 0) instead.
+
+
+def _plan(starts: list[int], counts: list[int], device) -> tuple:
+    """positions, valid, mask and causal of a step whose rows hold `counts` new tokens
+    after `starts` cached ones."""
     T, L = max(counts), max(s + c for s, c in zip(starts, counts))
-    start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]  # (B, 1)
-    count = torch.tensor(counts, dtype=torch.long, device=device)[:, None]
+    both = torch.tensor([starts, counts], dtype=torch.long, device=device)[:, :, None]
+    start, count = both[0], both[1]  # (B, 1) each
     t = torch.arange(T, device=device)[None, :]  # (1, T)
     valid = t < count  # (B, T)
     positions = start + torch.minimum(t, count - 1)  # padding rows repeat the last position
+    even = len(set(starts)) == 1 and len(set(counts)) == 1
+    if even and (T == 1 or starts[0] == 0):
+        return positions, valid, None, T > 1
     keys = torch.arange(L, device=device)[None, None, :]  # (1, 1, L)
     mask = keys <= positions[:, :, None]  # causal; keys past a row's end are > its positions
-    return positions, valid, mask[:, None]  # mask (B, 1, T, L)
+    return positions, valid, mask[:, None], False  # mask (B, 1, T, L)
 
 
 class _CacheBase:
@@ -112,11 +125,12 @@ class _CacheBase:
         for s, start, n in zip(seq_ids, starts, new_tokens):
             self.lengths[s] = start + n
         device = self.device
-        positions, valid, mask = _plan(starts, new_tokens, device)
+        positions, valid, mask, causal = _plan(starts, new_tokens, device)
         write, read = self._indices(seq_ids, starts, new_tokens, positions, valid)
         counts = torch.tensor(new_tokens, dtype=torch.long, device=device)
-        decode = positions.shape[1] == 1
-        return Step(list(seq_ids), counts, positions, valid, mask, write, read, decode)
+        L = max(st + n for st, n in zip(starts, new_tokens))
+        return Step(list(seq_ids), counts, positions, valid, mask, causal, L, write, read,
+                    positions.shape[1] == 1)
 
     def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,8 +204,7 @@ class ContiguousCache(_CacheBase):
         store[step.write[0], :, step.write[1]] = self._new_rows(step, x)
 
     def _read(self, store: torch.Tensor, step: Step) -> torch.Tensor:
-        L = step.mask.shape[-1]
-        return store[step.read, :, :L]
+        return store[step.read, :, :step.keys]
 
 
 class PagedCache(_CacheBase):
@@ -244,14 +257,12 @@ class PagedCache(_CacheBase):
     def _indices(self, seq_ids, starts, counts, positions, valid):
         bs, L = self.block_size, max(st + n for st, n in zip(starts, counts))
         width = self.blocks_for(L)
-        tables = torch.tensor([t[:width] + [0] * (width - len(t[:width]))
-                               for t in (self.tables[s] for s in seq_ids)],
-                              dtype=torch.long, device=self.device)  # (B, width)
-        # slot = block * block_size + offset, in the pool viewed as (num_blocks * bs, ...)
-        slots = (tables[:, :, None] * bs + torch.arange(bs, device=tables.device)).flatten(1)
-        read = slots[:, :L]  # (B, L); keys past a row's length point at its last block or 0, masked
-        write = read.gather(1, positions)[valid]  # (N,)
-        return write, read
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in (self.tables[s] for s in seq_ids)],
+                              dtype=torch.long, device=self.device)  # (B, width); past a row's end: 0, masked
+        # a new token's slot = block * block_size + offset in the pool seen as (num_blocks * bs, ...)
+        block = tables.gather(1, positions // bs)  # (B, T)
+        write = (block * bs + positions % bs)[valid]  # (N,)
+        return write, tables.flatten()  # reads take whole blocks: one index per block, not per token
 
     def _storage(self, x: torch.Tensor) -> torch.Tensor:
         _, heads, _, head_dim = x.shape
@@ -261,8 +272,10 @@ class PagedCache(_CacheBase):
         store.view(-1, *store.shape[2:]).index_copy_(0, step.write, self._new_rows(step, x))
 
     def _read(self, store: torch.Tensor, step: Step) -> torch.Tensor:
-        flat = store.view(-1, *store.shape[2:])  # (num_blocks * bs, kv_heads, head_dim)
-        return flat[step.read].transpose(1, 2)  # (B, kv_heads, L, head_dim)
+        B = len(step.seq_ids)
+        blocks = store.index_select(0, step.read)  # (B * width, bs, kv_heads, head_dim)
+        keys = blocks.view(B, -1, *store.shape[2:])[:, :step.keys]  # (B, L, kv_heads, head_dim)
+        return keys.transpose(1, 2)  # (B, kv_heads, L, head_dim)
 
 
 def new_cache(kind: str, num_layers: int, max_batch: int, max_tokens: int, block_size: int = 16,

@@ -152,23 +152,29 @@ def generate(model_or_runner, input_ids, attention_mask=None, *, max_new_tokens:
     num_blocks = sum(math.ceil(b / block_size) for b in budgets)
     kv = runner.new_cache(cache, B, max(budgets), block_size, num_blocks)
     out = torch.full((B, steps), pad, dtype=torch.long, device=device)
-    stop_t = torch.tensor(stops, dtype=torch.long, device=device)
-    left = torch.tensor([b - n for b, n in zip(budgets, lengths)], device=device)  # new tokens allowed
+    stop_t = torch.tensor(stops, dtype=torch.long, device=device)[None, :]  # (1, stops)
+    left = [b - n for b, n in zip(budgets, lengths)]  # new tokens each row may still take
     pick = _Picker(params, B, device)
 
+    # Per step: one batched decode and a handful of tensor ops, whatever B and the depth;
+    # Python work per row only when some row stops.
     rows = list(range(B))
     logits = runner.prefill(kv, rows, [p.to(device) for p in prompts])
     done_steps = 0
     for s in range(steps):
         tokens = pick(logits, rows)  # (len(rows),)
-        index = torch.tensor(rows, device=device)
-        out[index, s] = tokens
+        if len(rows) == B:
+            out[:, s] = tokens
+        else:
+            out[torch.tensor(rows, device=device), s] = tokens
         done_steps = s + 1
-        finished = (left[index] <= s + 1) | torch.isin(tokens, stop_t)
-        if bool(finished.any()):
-            keep = (~finished).nonzero().flatten().tolist()
-            for j in finished.nonzero().flatten().tolist():
-                kv.free(rows[j])
+        stopped = (tokens[:, None] == stop_t).any(1).tolist() if stops else [False] * len(rows)
+        finished = [stop or left[r] <= s + 1 for r, stop in zip(rows, stopped)]
+        if any(finished):
+            for r, f in zip(rows, finished):
+                if f:
+                    kv.free(r)  # its blocks are free at once
+            keep = [j for j, f in enumerate(finished) if not f]
             rows, tokens = [rows[j] for j in keep], tokens[keep]
             if not rows:
                 break

@@ -28,6 +28,13 @@ def build(family: str):
                                        max_position_embeddings=128, bos_token_id=EOS, eos_token_id=EOS,
                                        pad_token_id=PAD)
         return transformers.LlamaForCausalLM(cfg).eval()
+    if family in ("qwen2", "mistral"):  # the other Llama-family layouts (qwen2: q/k/v biases)
+        cls = {"qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[family]
+        cfg = cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+        model = {"qwen2": transformers.Qwen2ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}[family](cfg)
+        return model.eval()
     raise ValueError(f"unknown test family {family!r}")
 
 

@@ -46,6 +46,21 @@ def test_prefill_and_decode_match_forward(family, kind):
     assert [cache.length(s) for s in ids] == [12, 8, 16]
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_llama_family_layouts(family):
+    torch.manual_seed(0)
+    model = build(family)
+    runner = runner_for(model)
+    prompts = _prompts(runner.vocab_size)[:2]
+    cache = runner.new_cache("paged", 2, 16, block_size=4)
+    logits = runner.prefill(cache, [0, 1], prompts)
+    tokens = logits.argmax(-1)
+    logits = runner.decode(cache, [0, 1], tokens)
+    for i, p in enumerate(prompts):
+        want = forward_logits(model, torch.cat((p, tokens[i:i + 1])))[-1]
+        torch.testing.assert_close(logits[i], want, rtol=RTOL, atol=ATOL)
+
+
 def test_layers_are_modules_called_once_per_step():
     """ZeRO-Inference hooks runner.layers / embed / head: one forward each per step."""
     torch.manual_seed(0)

@@ -39,15 +39,16 @@ class StepContext:
     sin: torch.Tensor | None = None
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
            scale: float) -> torch.Tensor:
-    """q (B, H, T, hd) over k, v (B, KVH, L, hd) with a (B, 1, T, L) bool mask ->
-    (B, T, H * hd). KVH < H is grouped-query attention: each kv head serves H / KVH query
-    heads (enable_gqa, no repeated copy)."""
+    """q (B, H, T, hd) over k, v (B, KVH, L, hd) with the step's (B, 1, T, L) bool mask
+    (or none, Note [no mask when rows are even] in cache.py) -> (B, T, H * hd). KVH < H is
+    grouped-query attention: each kv head serves H / KVH query heads (enable_gqa, no
+    repeated copy)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not share {k.shape[1]} kv heads evenly")
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                       enable_gqa=q.shape[1] != k.shape[1])
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, is_causal=step.causal,
+                                       scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     B, _, T, _ = y.shape
     return y.transpose(1, 2).reshape(B, T, -1)
 

@@ -40,7 +40,7 @@ class GPTCachedLayer(nn.Module):
         q, k, v = heads(a.wq(h), hd), heads(a.wk(h), hd), heads(a.wv(h), hd)
         q, k = kernels.rotary(q, ctx.cos, ctx.sin), kernels.rotary(k, ctx.cos, ctx.sin)
         k, v = ctx.cache.update(self.index, ctx.step, k, v)
-        x = x + a.wo(attend(q, k, v, ctx.step.mask, self.scale))
+        x = x + a.wo(attend(q, k, v, ctx.step, self.scale))
         h = _rms(x, b.mlp_norm)
         if self.dense:
             m = b.mlp

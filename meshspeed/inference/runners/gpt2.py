@@ -41,7 +41,7 @@ class GPT2CachedLayer(nn.Module):
         qkv = a.c_attn(_ln(x, b.ln_1))  # (B, T, 3 * local width): this rank's q|k|v
         q, k, v = (heads(t, self.head_dim) for t in qkv.split(qkv.shape[-1] // 3, dim=-1))
         k, v = ctx.cache.update(self.index, ctx.step, k, v)
-        y = a.c_proj(attend(q, k, v, ctx.step.mask, self.scale))
+        y = a.c_proj(attend(q, k, v, ctx.step, self.scale))
         h, x = kernels.add_layer_norm(y, x, b.ln_2.weight, b.ln_2.bias, b.ln_2.eps)
         f = mlp.c_fc(h)
         f = kernels.bias_gelu(f, None, "tanh") if self.tanh_gelu else mlp.act(f)

@@ -43,7 +43,7 @@ class LlamaCachedLayer(nn.Module):
         q, k, v = heads(a.q_proj(h), hd), heads(a.k_proj(h), hd), heads(a.v_proj(h), hd)
         q, k = kernels.rotary(q, ctx.cos, ctx.sin), kernels.rotary(k, ctx.cos, ctx.sin)
         k, v = ctx.cache.update(self.index, ctx.step, k, v)
-        y = a.o_proj(attend(q, k, v, ctx.step.mask, self.scale))
+        y = a.o_proj(attend(q, k, v, ctx.step, self.scale))
         post = self.layer.post_attention_layernorm
         h, x = kernels.add_rms_norm(y, x, post.weight, post.variance_epsilon)
         gate, up = mlp.gate_proj(h), mlp.up_proj(h)
