@@ -41,9 +41,9 @@ class Step:
     """Indices for one model step over `seq_ids`, shared by every layer."""
 
     seq_ids: list[int]
-    new_tokens: torch.Tensor  # (B,) real new tokens per row
+    new_tokens: list[int]  # real new tokens per row
     positions: torch.Tensor  # (B, T) absolute positions of the new tokens (padding: last real)
-    valid: torch.Tensor  # (B, T) bool, which of the T query rows are real tokens
+    valid: torch.Tensor | None  # (B, T) bool, which of the T query rows are real (None: T == 1)
     mask: torch.Tensor | None  # (B, 1, T, L) bool, key j visible to query t of row b;
     #   None when no row is shorter than another (Note [no mask when rows are even])
     causal: bool  # with mask None: queries see keys up to their own position (T == L)
@@ -124,13 +124,25 @@ class _CacheBase:
         self._reserve(seq_ids, starts, new_tokens)  # may raise: nothing recorded before this
         for s, start, n in zip(seq_ids, starts, new_tokens):
             self.lengths[s] = start + n
-        device = self.device
-        positions, valid, mask, causal = _plan(starts, new_tokens, device)
-        write, read = self._indices(seq_ids, starts, new_tokens, positions, valid)
-        counts = torch.tensor(new_tokens, dtype=torch.long, device=device)
         L = max(st + n for st, n in zip(starts, new_tokens))
-        return Step(list(seq_ids), counts, positions, valid, mask, causal, L, write, read,
+        if max(new_tokens) == 1:  # decode: Note [one small tensor per decode step]
+            table = torch.tensor([[st, *row] for st, row in zip(starts, self._single(seq_ids, starts, L))],
+                                 dtype=torch.long, device=self.device)
+            positions = table[:, :1]  # (B, 1)
+            mask = None
+            if len(set(starts)) > 1:
+                mask = (torch.arange(L, device=self.device) <= positions[:, :, None])[:, None]
+            write, read = self._single_split(table, seq_ids)
+            return Step(list(seq_ids), new_tokens, positions, None, mask, False, L, write, read, True)
+        positions, valid, mask, causal = _plan(starts, new_tokens, self.device)
+        write, read = self._indices(seq_ids, starts, new_tokens, positions, valid)
+        return Step(list(seq_ids), new_tokens, positions, valid, mask, causal, L, write, read,
                     positions.shape[1] == 1)
+
+    # Note [one small tensor per decode step]
+    # A decode step runs once per generated token, so its planning is per-token overhead:
+    # each row's position, write index and read indices go into one tensor built from one
+    # Python list (`_single`), and the step's indices are views of it.
 
     def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,20 +200,30 @@ class ContiguousCache(_CacheBase):
             self.slots[s] = self._free.pop()
 
     def _indices(self, seq_ids, starts, counts, positions, valid):
-        slots = torch.tensor([self.slots[s] for s in seq_ids], dtype=torch.long, device=self.device)
-        rows = slots[:, None].expand_as(positions)[valid]
-        write = torch.stack((rows, positions[valid]))  # (2, N): slot and position of each token
-        first = slots[0].item()
-        consecutive = torch.equal(slots, torch.arange(first, first + len(seq_ids), device=slots.device))
-        read = slice(first, first + len(seq_ids)) if consecutive else slots
-        return write, read
+        slots = [self.slots[s] for s in seq_ids]
+        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        rows = slot_t[:, None].expand_as(positions)[valid]
+        write = torch.stack((positions[valid], rows), 1)  # (N, 2): position and slot of each token
+        return write, self._read_index(slots, slot_t)
+
+    def _single(self, seq_ids, starts, L) -> list[list[int]]:
+        return [[self.slots[s]] for s in seq_ids]
+
+    def _single_split(self, table: torch.Tensor, seq_ids):
+        return table, self._read_index([self.slots[s] for s in seq_ids], table[:, 1])  # table: (pos, slot)
+
+    @staticmethod
+    def _read_index(slots: list[int], slot_t: torch.Tensor) -> torch.Tensor | slice:
+        """Consecutive slots read as a slice (a view, no copy)."""
+        first = slots[0]
+        return slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else slot_t
 
     def _storage(self, x: torch.Tensor) -> torch.Tensor:
         _, heads, _, head_dim = x.shape
         return x.new_zeros(self.max_batch, heads, self.max_tokens, head_dim)
 
     def _write(self, store: torch.Tensor, step: Step, x: torch.Tensor) -> None:
-        store[step.write[0], :, step.write[1]] = self._new_rows(step, x)
+        store[step.write[:, 1], :, step.write[:, 0]] = self._new_rows(step, x)
 
     def _read(self, store: torch.Tensor, step: Step) -> torch.Tensor:
         return store[step.read, :, :step.keys]
@@ -263,6 +285,17 @@ class PagedCache(_CacheBase):
         block = tables.gather(1, positions // bs)  # (B, T)
         write = (block * bs + positions % bs)[valid]  # (N,)
         return write, tables.flatten()  # reads take whole blocks: one index per block, not per token
+
+    def _single(self, seq_ids, starts, L) -> list[list[int]]:
+        bs, width = self.block_size, self.blocks_for(L)
+        rows = []
+        for s, st in zip(seq_ids, starts):
+            t = self.tables[s]
+            rows.append([t[st // bs] * bs + st % bs, *t, *[0] * (width - len(t))])
+        return rows
+
+    def _single_split(self, table: torch.Tensor, seq_ids):
+        return table[:, 1], table[:, 2:].flatten()  # table: (pos, write slot, blocks...)
 
     def _storage(self, x: torch.Tensor) -> torch.Tensor:
         _, heads, _, head_dim = x.shape

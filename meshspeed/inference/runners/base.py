@@ -122,7 +122,7 @@ class CachedRunner:
         for i, p in enumerate(prompts):
             ids[i, :p.numel()] = p
         x = self._layers(cache, step, ids.to(self.device))  # (B, T, d)
-        last = x[torch.arange(len(prompts), device=x.device), step.new_tokens - 1]  # (B, d)
+        last = x[torch.arange(len(prompts), device=x.device), torch.tensor(counts, device=x.device) - 1]  # (B, d)
         return self.head(last)
 
     @torch.no_grad()
