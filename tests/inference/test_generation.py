@@ -81,13 +81,22 @@ def _tp_run(family: str) -> dict:
     ref = outputs(copy.deepcopy(model))
     apply_tensor_parallel(model, build_topology(ParallelDims(2, tp=2)))
     split = sum(hasattr(m, "tp_shards") for m in model.modules())
-    return {"ref": ref, "tp": outputs(model), "split_modules": split}
+    torch.manual_seed(0)
+    sp_model = apply_tensor_parallel(build(family), build_topology(ParallelDims(2, tp=2)),
+                                     sequence_parallel=True)
+    try:
+        runner_for(sp_model)
+        sp_error = None
+    except ValueError as exc:
+        sp_error = str(exc)
+    return {"ref": ref, "tp": outputs(model), "split_modules": split, "sp_error": sp_error}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tensor_parallel_same_tokens(family):
     for res in run_distributed(_tp_run, world_size=2, args=(family,)):
         assert res["split_modules"] >= 8  # the model really was split
+        assert "split with sequence_parallel or overlap_comm" in res["sp_error"]
         for cache in ("paged", "contiguous"):
             assert torch.equal(res["tp"][cache], res["ref"][cache]), cache
         torch.testing.assert_close(res["tp"]["prefill"], res["ref"]["prefill"], rtol=1e-5, atol=1e-5)

@@ -83,6 +83,18 @@ class Head(nn.Module):
         return logits[..., :self.vocab_size].float()
 
 
+def check_supported(model: nn.Module) -> None:
+    """Refuse tensor-parallel layouts a cached step cannot run: sequence-parallel layers
+    expect a sequence shard per rank and overlapped layers cut the sequence into chunks,
+    but a decode step holds one token."""
+    for name, module in model.named_modules():
+        if getattr(module, "sequence_parallel", False) or getattr(module, "overlap_chunks", 1) > 1:
+            raise ValueError(f"{name or type(model).__name__} is split with sequence_parallel or "
+                             f"overlap_comm, which cached inference cannot run (a decode step has "
+                             f"one token); split the model with apply_tensor_parallel("
+                             f"sequence_parallel=False, overlap_comm=False) for inference")
+
+
 class CachedRunner:
     """`meshspeed.inference.protocol.Runner` over `embed`, `layers` and `head` modules.
 

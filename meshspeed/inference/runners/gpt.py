@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 from meshspeed.inference import kernels
-from meshspeed.inference.runners.base import CachedRunner, Head, StepContext, attend, heads
+from meshspeed.inference.runners.base import (
+    CachedRunner,
+    Head,
+    StepContext,
+    attend,
+    check_supported,
+    heads,
+)
 
 
 def _rms(x, norm: nn.Module):
@@ -51,6 +58,7 @@ class GPTCachedLayer(nn.Module):
 
 class GPTRunner(CachedRunner):
     def __init__(self, model: nn.Module) -> None:
+        check_supported(model)
         cfg = model.config
         self.rotary_tables = model.layers[0].attn.rotary  # every layer's tables are the same
         layers = [GPTCachedLayer(b, i) for i, b in enumerate(model.layers)]

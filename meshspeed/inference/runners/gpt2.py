@@ -6,7 +6,14 @@ from __future__ import annotations
 from torch import nn
 
 from meshspeed.inference import kernels
-from meshspeed.inference.runners.base import CachedRunner, Head, StepContext, attend, heads
+from meshspeed.inference.runners.base import (
+    CachedRunner,
+    Head,
+    StepContext,
+    attend,
+    check_supported,
+    heads,
+)
 
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -50,6 +57,7 @@ class GPT2CachedLayer(nn.Module):
 
 class GPT2Runner(CachedRunner):
     def __init__(self, model: nn.Module) -> None:
+        check_supported(model)
         config, base = model.config, model.transformer
         head_dim = config.hidden_size // config.num_attention_heads
         layers = [GPT2CachedLayer(b, i, head_dim, config.activation_function)

@@ -11,7 +11,14 @@ from __future__ import annotations
 from torch import nn
 
 from meshspeed.inference import kernels
-from meshspeed.inference.runners.base import CachedRunner, Head, StepContext, attend, heads
+from meshspeed.inference.runners.base import (
+    CachedRunner,
+    Head,
+    StepContext,
+    attend,
+    check_supported,
+    heads,
+)
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -53,6 +60,7 @@ class LlamaCachedLayer(nn.Module):
 
 class LlamaRunner(CachedRunner):
     def __init__(self, model: nn.Module) -> None:
+        check_supported(model)
         config = model.config
         base = model.model
         self.rotary_emb = base.rotary_emb
