@@ -50,7 +50,7 @@ class Step:
     keys: int  # L, the longest row after the step
     write: torch.Tensor  # cache-specific index of each real new token (row-major over valid)
     read: torch.Tensor | slice  # cache-specific index of the keys of each row
-    decode: bool  # T == 1 and every row real: the write needs no `valid` selection
+    decode: bool  # T == 1, every row real: writes need no `valid` selection
 
 
 # Note [no mask when rows are even]
@@ -68,9 +68,8 @@ def _plan(starts: list[int], counts: list[int], device) -> tuple:
     t = torch.arange(T, device=device)[None, :]  # (1, T)
     valid = t < count  # (B, T)
     positions = start + torch.minimum(t, count - 1)  # padding rows repeat the last position
-    even = len(set(starts)) == 1 and len(set(counts)) == 1
-    if even and (T == 1 or starts[0] == 0):
-        return positions, valid, None, T > 1
+    if len(set(starts)) == 1 and len(set(counts)) == 1 and starts[0] == 0:  # even prompts
+        return positions, valid, None, True
     keys = torch.arange(L, device=device)[None, None, :]  # (1, 1, L)
     mask = keys <= positions[:, :, None]  # causal; keys past a row's end are > its positions
     return positions, valid, mask[:, None], False  # mask (B, 1, T, L)
@@ -103,6 +102,35 @@ class _CacheBase:
     def begin(self, seq_ids: list[int], new_tokens: list[int], prefill: bool) -> Step:
         """Reserve room for `new_tokens[i]` more tokens of each sequence (new ones when
         `prefill`, else already held) and plan the step's indices."""
+        self._check(seq_ids, new_tokens, prefill)
+        starts = [0 if prefill else self.lengths[s] for s in seq_ids]
+        self._reserve(seq_ids, starts, new_tokens)  # may raise: nothing recorded before this
+        for s, start, n in zip(seq_ids, starts, new_tokens):
+            self.lengths[s] = start + n
+        L = max(st + n for st, n in zip(starts, new_tokens))
+        if max(new_tokens) == 1:
+            return self._single_step(list(seq_ids), starts, L)
+        positions, valid, mask, causal = _plan(starts, new_tokens, self.device)
+        write, read = self._indices(seq_ids, starts, new_tokens, positions, valid)
+        return Step(list(seq_ids), new_tokens, positions, valid, mask, causal, L, write, read, False)
+
+    # Note [one small tensor per decode step]
+    # A decode step runs once per generated token, so its planning is per-token overhead:
+    # each row's position, write index and read indices go into one tensor built from one
+    # Python list (`_single`), and the step's indices are views of it.
+
+    def _single_step(self, seq_ids: list[int], starts: list[int], L: int) -> Step:
+        """The step of one new token per row (decode)."""
+        rows = [[st, *row] for st, row in zip(starts, self._single(seq_ids, starts, L))]
+        table = torch.tensor(rows, dtype=torch.long, device=self.device)
+        positions = table[:, :1]  # (B, 1)
+        mask = None  # rows of one length see all L keys (Note [no mask when rows are even])
+        if len(set(starts)) > 1:
+            mask = (torch.arange(L, device=self.device) <= positions[:, :, None])[:, None]
+        write, read = self._single_split(table, seq_ids)
+        return Step(seq_ids, [1] * len(seq_ids), positions, None, mask, False, L, write, read, True)
+
+    def _check(self, seq_ids: list[int], new_tokens: list[int], prefill: bool) -> None:
         if len(seq_ids) != len(new_tokens) or not seq_ids:
             raise ValueError(f"a step needs one new-token count per sequence, got {len(seq_ids)} "
                              f"ids and {len(new_tokens)} counts")
@@ -120,29 +148,6 @@ class _CacheBase:
             if reach > self.max_tokens:
                 raise CacheFullError(f"sequence {s} would reach {reach} tokens, more than the "
                                      f"cache's max_tokens={self.max_tokens}")
-        starts = [0 if prefill else self.lengths[s] for s in seq_ids]
-        self._reserve(seq_ids, starts, new_tokens)  # may raise: nothing recorded before this
-        for s, start, n in zip(seq_ids, starts, new_tokens):
-            self.lengths[s] = start + n
-        L = max(st + n for st, n in zip(starts, new_tokens))
-        if max(new_tokens) == 1:  # decode: Note [one small tensor per decode step]
-            table = torch.tensor([[st, *row] for st, row in zip(starts, self._single(seq_ids, starts, L))],
-                                 dtype=torch.long, device=self.device)
-            positions = table[:, :1]  # (B, 1)
-            mask = None
-            if len(set(starts)) > 1:
-                mask = (torch.arange(L, device=self.device) <= positions[:, :, None])[:, None]
-            write, read = self._single_split(table, seq_ids)
-            return Step(list(seq_ids), new_tokens, positions, None, mask, False, L, write, read, True)
-        positions, valid, mask, causal = _plan(starts, new_tokens, self.device)
-        write, read = self._indices(seq_ids, starts, new_tokens, positions, valid)
-        return Step(list(seq_ids), new_tokens, positions, valid, mask, causal, L, write, read,
-                    positions.shape[1] == 1)
-
-    # Note [one small tensor per decode step]
-    # A decode step runs once per generated token, so its planning is per-token overhead:
-    # each row's position, write index and read indices go into one tensor built from one
-    # Python list (`_single`), and the step's indices are views of it.
 
     def update(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
