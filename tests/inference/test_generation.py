@@ -156,6 +156,10 @@ def test_limits_and_errors():
     model = build("gpt2")  # 64 positions
     p = torch.arange(2, 12)  # 10 tokens
     assert generate(model, p, max_new_tokens=NEW, max_out_tokens=14).shape == (1, 14)
+    both = generate(model, [p[:4], p], max_new_tokens=NEW, max_out_tokens=14)
+    assert both.shape == (2, 20) and torch.equal(both[1, 14:], torch.zeros(6, dtype=torch.long))
+    runner = runner_for(model)  # a runner is accepted in place of the model
+    assert torch.equal(generate(runner, [p[:4], p], max_new_tokens=NEW, max_out_tokens=14), both)
     assert generate(model, p, max_new_tokens=0).shape == (1, 10)
     assert generate(model, torch.arange(2, 62), max_new_tokens=NEW).shape == (1, 64)  # model's end
     with pytest.raises(ValueError, match="prompt 1 has 10 tokens, more than max_out_tokens=9"):
