@@ -41,6 +41,9 @@ def split_prompts(input_ids, attention_mask=None) -> tuple[list[torch.Tensor], t
         if attention_mask is not None:
             raise ValueError("attention_mask goes with a (B, T) input_ids tensor, not with a list of "
                              "prompts (each prompt is all real tokens)")
+        if any(isinstance(p, int) or (isinstance(p, torch.Tensor) and p.dim() == 0) for p in input_ids):
+            raise ValueError("a list input_ids holds one 1-D prompt per sequence, but it holds single "
+                             "token ids; pass one prompt as a 1-D tensor or wrap it in a list")
         prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in input_ids]
         if not prompts:
             raise ValueError("generate got an empty list of prompts")

@@ -169,6 +169,8 @@ def test_limits_and_errors():
     ids, mask = _batch(128)
     with pytest.raises(ValueError, match="row 1 has padding after or inside the prompt"):
         generate(model, ids, mask.flip(1), max_new_tokens=1)
+    with pytest.raises(ValueError, match="holds single token ids"):
+        generate(model, [3, 4, 5], max_new_tokens=1)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
         generate(model, p, max_new_tokens=-1)
     with pytest.raises(ValueError, match="cache kind must be 'contiguous' or 'paged'"):
