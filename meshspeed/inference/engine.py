@@ -80,9 +80,9 @@ class InferenceEngine(nn.Module):
             self.load_stats = load_into_shards(model, os.path.join(cfg.base_dir, cfg.checkpoint))
         if cfg.quant.enabled:
             _quantize(model, cfg)
-        if cfg.zero.stage == 3:
-            _partition(model, cfg, self.topology)
+        self.zero_inference = _partition(model, cfg, self.topology) if cfg.zero.stage == 3 else None
         self.module = model.eval()
+        self._runner = None
 
     @property
     def mp_world_size(self) -> int:
@@ -94,9 +94,18 @@ class InferenceEngine(nn.Module):
         return self.config.torch_dtype
 
     @property
-    def module_or_runner(self) -> nn.Module:
-        """What generation runs: the prepared model (generation.py adapts it to a Runner)."""
-        return self.module
+    def module_or_runner(self) -> Any:
+        """What generation runs: meshspeed's cached runner of the prepared model (made once;
+        under ZeRO-Inference each of its layers gathers its unit, as the model's own decoder
+        layers do)."""
+        if self._runner is None:
+            from meshspeed.inference.runners import runner_for
+
+            self._runner = runner_for(self.module)
+            if self.zero_inference is not None:
+                for i, layer in enumerate(self._runner.layers):
+                    self.zero_inference.attach(layer, i)
+        return self._runner
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -251,7 +260,7 @@ def _quantize(model: nn.Module, cfg: InferenceConfig) -> None:
     quantize_weights(model, bits=cfg.quant.bits, group_size=cfg.quant.group_size)
 
 
-def _partition(model: nn.Module, cfg: InferenceConfig, topology: Any) -> None:
+def _partition(model: nn.Module, cfg: InferenceConfig, topology: Any) -> Any:
     try:
         from meshspeed.inference.zero_inference import partition_for_inference
     except ImportError as err:
@@ -260,7 +269,7 @@ def _partition(model: nn.Module, cfg: InferenceConfig, topology: Any) -> None:
                                   "this build; remove the zero section") from err
     # The section as the user wrote it (a plain mapping), so zero_inference owns its defaults.
     section = {**cfg.zero.model_dump(exclude_unset=True), "stage": 3}
-    partition_for_inference(model, section, topology.group("dp"))
+    return partition_for_inference(model, section, topology.group("dp"))
 
 
 __all__ = ["DeepSpeedInferenceConfig", "InferenceEngine", "check_dtype_runs", "check_heads",

@@ -72,6 +72,8 @@ __all__ = ["ZeroInference", "ZeroInferenceConfig", "find_decoder_layers", "parti
 
 _KEYS = ("stage", "offload_param", "prefetch_layers")
 _OFFLOAD_KEYS = ("device", "nvme_path", "pin_memory")
+# DeepSpeed's offload_param tuning keys for training's swapper: nothing to tune here
+_OFFLOAD_IGNORED = ("buffer_count", "buffer_size", "max_in_cpu")
 _DEVICES = ("none", "cpu", "nvme")
 
 
@@ -98,6 +100,7 @@ class ZeroInferenceConfig:
         offload = section.get("offload_param") or {}
         if not isinstance(offload, Mapping):
             raise ConfigError(f"zero.offload_param: expected an object ({{...}}), got {show(offload)}")
+        offload = {k: v for k, v in offload.items() if k not in _OFFLOAD_IGNORED}
         _reject_unknown(offload, _OFFLOAD_KEYS, "zero.offload_param")
         device = offload.get("device", "none")
         if device not in _DEVICES:
