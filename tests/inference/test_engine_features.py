@@ -12,6 +12,16 @@ import meshspeed
 from tests.inference.models import PAD, build
 
 
+@pytest.fixture(autouse=True)
+def _no_default_group_left():
+    """ZeRO-Inference starts a one-process group in this process: tear it down after, so
+    later tests see the process as they would alone."""
+    was = torch.distributed.is_initialized()
+    yield
+    if not was and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("config", [
     {},
