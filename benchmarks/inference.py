@@ -56,7 +56,9 @@ def build_model(cfg: dict):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(**cfg, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    # no end-of-sequence token: every sequence runs its full length in every framework (an
+    # eos with min_new_tokens would make HF mask that token's logit and pick another)
+    config = GPT2Config(**cfg, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     return GPT2LMHeadModel(config).eval()
 
 
@@ -74,8 +76,8 @@ def prompts(batch: int, args, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def hf_generate(model, ids, mask, n):
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
 
 
 def meshspeed_generate(cache):
@@ -134,7 +136,7 @@ import deepspeed
 from transformers import GPT2Config, GPT2LMHeadModel
 spec = json.loads(open(sys.argv[1]).read())
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(**spec["cfg"], bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+model = GPT2LMHeadModel(GPT2Config(**spec["cfg"], bos_token_id=None, eos_token_id=None, pad_token_id=0)).eval()
 engine = deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False)
 out = {}
 for batch, (ids, mask) in spec["prompts"].items():
@@ -142,8 +144,8 @@ for batch, (ids, mask) in spec["prompts"].items():
     def gen(n):
         t0 = time.perf_counter()
         with torch.no_grad():
-            toks = engine.module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                          do_sample=False, pad_token_id=0)
+            toks = engine.module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                          pad_token_id=0, eos_token_id=None)
         return time.perf_counter() - t0, toks
     gen(2)
     first, full = [], []
@@ -176,7 +178,6 @@ def run_deepspeed(args) -> dict | str:
 
 def run_batching(args) -> dict:
     from meshspeed.inference.runners import runner_for
-
     from meshspeed.inference.throughput import compare_batching, mixed_requests
 
     torch.set_num_threads(args.threads)

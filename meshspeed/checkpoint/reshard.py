@@ -106,7 +106,10 @@ class SavedTensors:
         for the local parameter cut by `shard` (None: the whole logical parameter)."""
         self.fill_planned(self.plan(param, start, end, shard), kind, out)
 
-    def fill_planned(self, plan: ReadPlan, kind: str, out: torch.Tensor) -> None:
+    def fill_planned(self, plan: ReadPlan, kind: str, out: torch.Tensor, gap: int = READ_GAP) -> None:
+        """`gap`: pieces at most this many elements apart are read in one go (fewer, larger
+        reads); 0 reads only the elements wanted (inference loading a shard of a row-split
+        tensor would otherwise read all of it)."""
         flat = out.view(-1)
         if plan.wanted < plan.end - plan.start:
             flat.zero_()  # tensor-parallel padding: in no saved range, kept at zero
@@ -114,7 +117,7 @@ class SavedTensors:
         covered = 0
         for r, copies in plan.reads:
             f = self.file(r["file"])
-            for lo, hi, group in tp_ranges.coalesce(copies, READ_GAP, READ_LIMIT):
+            for lo, hi, group in tp_ranges.coalesce(copies, gap, READ_LIMIT):
                 if len(group) == 1:  # straight into the destination
                     d, src, n = group[0]
                     f.read_into(key, src, src + n, flat[d : d + n])

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from meshspeed.checkpoint.errors import CheckpointError
-from meshspeed.checkpoint.reshard import READ_LIMIT, SavedTensors
+from meshspeed.checkpoint.reshard import SavedTensors
 from meshspeed.checkpoint.tensorfile import TensorFile
 from meshspeed.tensor_parallel.spec import TPShard, shards_by_param
 
@@ -229,29 +229,10 @@ def _load_meshspeed(model: nn.Module, path: str) -> LoadStats:
 
 
 def _fill_exact(store: SavedTensors, plan, flat: torch.Tensor) -> None:
-    """Like SavedTensors.fill_planned, but reads only the elements wanted: the training
-    loader merges reads across gaps (fewer, larger reads of a row-split tensor, i.e. all
-    of it); here only touching pieces are merged (Note [reading only this rank's shard])."""
-    from meshspeed.checkpoint import tp_ranges
-
-    if plan.wanted < plan.end - plan.start:
-        flat.zero_()  # tensor-parallel padding: in no saved range, kept at zero
-    key, covered = f"master/{plan.param}", 0
-    for r, copies in plan.reads:
-        f = store.file(r["file"])
-        for lo, hi, group in tp_ranges.coalesce(copies, 0, READ_LIMIT):
-            if len(group) == 1:
-                d, src, n = group[0]
-                f.read_into(key, src, src + n, flat[d:d + n])
-            else:
-                buf = torch.empty(hi - lo, dtype=f.entry(key).dtype)
-                f.read_into(key, lo, hi, buf)
-                for d, src, n in group:
-                    flat[d:d + n].copy_(buf[src - lo:src - lo + n])
-            covered += sum(n for _, _, n in group)
-    if covered != plan.wanted:
-        raise CheckpointError(f"{store.path}: parameter {plan.param!r} is not all in the "
-                              "checkpoint; it is incomplete")
+    """SavedTensors.fill_planned reading only the elements wanted: the training loader
+    merges reads across gaps (fewer, larger reads of a row-split tensor, i.e. all of it);
+    here only touching pieces are merged (Note [reading only this rank's shard])."""
+    store.fill_planned(plan, "master", flat, gap=0)
 
 
 class _CountingFile(TensorFile):

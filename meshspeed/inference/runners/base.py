@@ -59,6 +59,17 @@ def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(B, T, -1, head_dim).transpose(1, 2)
 
 
+class TokenEmbed(nn.Module):
+    """The token embedding alone (models whose positions enter through rotary, in the layers)."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+
 class Head(nn.Module):
     """Final norm + lm_head -> (B, vocab) fp32 logits of the whole vocabulary.
 

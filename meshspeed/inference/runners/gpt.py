@@ -11,6 +11,7 @@ from meshspeed.inference.runners.base import (
     CachedRunner,
     Head,
     StepContext,
+    TokenEmbed,
     attend,
     check_supported,
     heads,
@@ -19,15 +20,6 @@ from meshspeed.inference.runners.base import (
 
 def _rms(x, norm: nn.Module):
     return kernels.rms_norm(x, norm.weight, norm.eps)
-
-
-class GPTEmbed(nn.Module):
-    def __init__(self, tok_emb: nn.Module) -> None:
-        super().__init__()
-        self.tok_emb = tok_emb
-
-    def forward(self, ids, positions):
-        return self.tok_emb(ids)
 
 
 class GPTCachedLayer(nn.Module):
@@ -64,7 +56,7 @@ class GPTRunner(CachedRunner):
         layers = [GPTCachedLayer(b, i) for i, b in enumerate(model.layers)]
         head = Head(model.norm, model.lm_head, cfg.vocab_size, _rms)
         device = next(model.parameters()).device
-        super().__init__(GPTEmbed(model.tok_emb), layers, head, cfg.vocab_size, cfg.max_seq_len, device)
+        super().__init__(TokenEmbed(model.tok_emb), layers, head, cfg.vocab_size, cfg.max_seq_len, device)
 
     def context(self, cache, step, x) -> StepContext:
         # the tables hold the half-width angles; rotate-half wants them twice over

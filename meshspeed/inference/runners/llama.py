@@ -15,6 +15,7 @@ from meshspeed.inference.runners.base import (
     CachedRunner,
     Head,
     StepContext,
+    TokenEmbed,
     attend,
     check_supported,
     heads,
@@ -25,15 +26,6 @@ FAMILIES = ("llama", "mistral", "qwen2")
 
 def _rms(x, norm: nn.Module):
     return kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
-
-
-class LlamaEmbed(nn.Module):
-    def __init__(self, embed_tokens: nn.Module) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-
-    def forward(self, ids, positions):
-        return self.embed_tokens(ids)  # positions enter through rotary, in the layers
 
 
 class LlamaCachedLayer(nn.Module):
@@ -72,7 +64,7 @@ class LlamaRunner(CachedRunner):
         if window and getattr(config, "use_sliding_window", True):
             limit = min(limit, window)
         device = next(model.parameters()).device
-        super().__init__(LlamaEmbed(base.embed_tokens), layers, head, config.vocab_size, limit, device)
+        super().__init__(TokenEmbed(base.embed_tokens), layers, head, config.vocab_size, limit, device)
 
     def context(self, cache, step, x) -> StepContext:
         cos, sin = self.rotary_emb(x, step.positions)  # (B, T, head_dim) each, once per step
