@@ -98,7 +98,9 @@ class InferenceConfig(StrictModel):
 
     tensor_parallel: TPConfig = Field(default_factory=TPConfig)
     dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
-    replace_with_kernel_inject: bool = False  # generate with meshspeed's runner and kernels
+    # linear layers replaced by prepacked ones where the device has them (inject.py; not
+    # bit-identical to the plain layers: rounding differs)
+    replace_with_kernel_inject: bool = False
     max_out_tokens: PositiveInt = 1024  # longest prompt + generated tokens engine.generate runs
     quant: QuantConfig = Field(default_factory=QuantConfig)
     checkpoint: str | None = None  # meshspeed checkpoint dir, safetensors file or HF-style dir

@@ -26,6 +26,7 @@ sampling with the same seed choose the same tokens.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 from typing import Any
 
@@ -41,6 +42,8 @@ from meshspeed.inference.config import (
     load_inference_config,
     report_no_effect,
 )
+
+log = logging.getLogger("meshspeed")
 
 
 def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
@@ -80,6 +83,7 @@ class InferenceEngine(nn.Module):
             self.load_stats = load_into_shards(model, os.path.join(cfg.base_dir, cfg.checkpoint))
         if cfg.quant.enabled:
             _quantize(model, cfg)
+        self.injected = _inject(model, cfg)
         self.zero_inference = _partition(model, cfg, self.topology) if cfg.zero.stage == 3 else None
         self.module = model.eval()
         self._runner = None
@@ -258,6 +262,22 @@ def _quantize(model: nn.Module, cfg: InferenceConfig) -> None:
         raise NotImplementedError("quant.enabled needs meshspeed.inference.quant, which is not "
                                   "available in this build; set quant.enabled false") from err
     quantize_weights(model, bits=cfg.quant.bits, group_size=cfg.quant.group_size)
+
+
+def _inject(model: nn.Module, cfg: InferenceConfig) -> int:
+    """replace_with_kernel_inject: plain linear layers -> prepacked ones (inject.py); how
+    many were replaced. Not under ZeRO-Inference, which gathers parameters the packed layers
+    would no longer have."""
+    if not cfg.replace_with_kernel_inject:
+        return 0
+    if cfg.zero.stage == 3:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("replace_with_kernel_inject has no effect with zero.stage 3: ZeRO-Inference "
+                        "gathers each layer's parameters, which prepacked layers would replace")
+        return 0
+    from meshspeed.inference.inject import inject_kernels
+
+    return inject_kernels(model)
 
 
 def _partition(model: nn.Module, cfg: InferenceConfig, topology: Any) -> Any:

@@ -36,7 +36,7 @@ class GPTCachedLayer(nn.Module):
     def forward(self, x, ctx: StepContext):
         b, a, hd = self.block, self.block.attn, self.head_dim
         h = _rms(x, b.attn_norm)
-        q, k, v = heads(a.wq(h), hd), heads(a.wk(h), hd), heads(a.wv(h), hd)
+        q, k, v = (heads(t, hd) for t in kernels.fused_qkv(h, a.wq, a.wk, a.wv))
         q, k = kernels.rotary(q, ctx.cos, ctx.sin), kernels.rotary(k, ctx.cos, ctx.sin)
         k, v = ctx.cache.update(self.index, ctx.step, k, v)
         x = x + a.wo(attend(q, k, v, ctx.step, self.scale))

@@ -39,7 +39,7 @@ class LlamaCachedLayer(nn.Module):
     def forward(self, x, ctx: StepContext):
         a, mlp, hd = self.layer.self_attn, self.layer.mlp, self.head_dim
         h = _rms(x, self.layer.input_layernorm)
-        q, k, v = heads(a.q_proj(h), hd), heads(a.k_proj(h), hd), heads(a.v_proj(h), hd)
+        q, k, v = (heads(t, hd) for t in kernels.fused_qkv(h, a.q_proj, a.k_proj, a.v_proj))
         q, k = kernels.rotary(q, ctx.cos, ctx.sin), kernels.rotary(k, ctx.cos, ctx.sin)
         k, v = ctx.cache.update(self.index, ctx.step, k, v)
         y = a.o_proj(attend(q, k, v, ctx.step, self.scale))
