@@ -122,12 +122,8 @@ class InferenceEngine(nn.Module):
             raise ValueError(f"prompt of {longest} tokens is longer than max_out_tokens="
                              f"{self.config.max_out_tokens}; shorten the prompt or raise "
                              "max_out_tokens (alias max_tokens) in the init_inference config")
-        try:
-            from meshspeed.inference.generation import generate
-        except ImportError as err:
-            raise NotImplementedError("engine.generate needs meshspeed.inference.generation, which "
-                                      "is not available in this build; use engine.module.generate "
-                                      "for a Hugging Face model") from err
+        from meshspeed.inference.generation import generate
+
         if max_new_tokens is not None:
             kwargs["max_new_tokens"] = max_new_tokens
         return generate(self.module_or_runner, input_ids, max_out_tokens=self.config.max_out_tokens,
@@ -256,11 +252,8 @@ def _kind(entry: Any) -> str | None:
 
 
 def _quantize(model: nn.Module, cfg: InferenceConfig) -> None:
-    try:
-        from meshspeed.inference.quant import quantize_weights
-    except ImportError as err:
-        raise NotImplementedError("quant.enabled needs meshspeed.inference.quant, which is not "
-                                  "available in this build; set quant.enabled false") from err
+    from meshspeed.inference.quant import quantize_weights
+
     quantize_weights(model, bits=cfg.quant.bits, group_size=cfg.quant.group_size)
 
 
@@ -281,12 +274,8 @@ def _inject(model: nn.Module, cfg: InferenceConfig) -> int:
 
 
 def _partition(model: nn.Module, cfg: InferenceConfig, topology: Any) -> Any:
-    try:
-        from meshspeed.inference.zero_inference import partition_for_inference
-    except ImportError as err:
-        raise NotImplementedError("zero.stage 3 (ZeRO-Inference) needs "
-                                  "meshspeed.inference.zero_inference, which is not available in "
-                                  "this build; remove the zero section") from err
+    from meshspeed.inference.zero_inference import partition_for_inference
+
     # The section as the user wrote it (a plain mapping), so zero_inference owns its defaults.
     section = {**cfg.zero.model_dump(exclude_unset=True), "stage": 3}
     return partition_for_inference(model, section, topology.group("dp"))

@@ -239,7 +239,6 @@ def test_generate_all_returns_each_prompts_tokens_in_order(model):
 
 
 def test_a_model_is_wrapped_by_runner_for(model):
-    pytest.importorskip("meshspeed.inference.runners", reason="the runners are not merged yet")
     server = Server(model, max_batch=2, max_tokens=32, block_size=4)
     prompts = [prompt(5, 1), prompt(9, 2), prompt(3, 3)]
     assert server.generate_all(prompts, 6) == [alone(model, p, 6) for p in prompts]
