@@ -65,6 +65,14 @@ class _CountOps(TorchDispatchMode):
         return out
 
 
+def param_numel(p: torch.Tensor) -> int:
+    """A parameter's whole size, also under ZeRO-3, where the tensor between forwards is
+    an empty placeholder and `ds_numel` (DeepSpeed's attribute) gives the size. A
+    tensor-parallel shard counts as the shard: the figures are this rank's."""
+    numel = getattr(p, "ds_numel", None)
+    return int(numel) if numel is not None else p.numel()
+
+
 def _sync(device_type: str) -> None:
     if device_type == "cuda" and torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -167,7 +175,7 @@ class FlopsProfiler:
         return human(self.total_macs, "MACs") if as_string else self.total_macs
 
     def get_total_params(self, as_string: bool = False):
-        params = sum(p.numel() for p in self.model.parameters())
+        params = sum(param_numel(p) for p in self.model.parameters())
         return human(params, "") if as_string else params
 
     def get_total_duration(self, as_string: bool = False):

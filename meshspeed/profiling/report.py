@@ -10,6 +10,12 @@ if TYPE_CHECKING:
 _PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K"))
 
 
+def _param_numel(p) -> int:
+    from meshspeed.profiling.flops_profiler import param_numel  # a cycle at import time otherwise
+
+    return param_numel(p)
+
+
 def human(value: float, unit: str, precision: int = 2) -> str:
     """12_300_000 -> "12.30 MFLOPs" (unit "FLOPs"); plain below 1000."""
     for scale, prefix in _PREFIXES:
@@ -18,7 +24,7 @@ def human(value: float, unit: str, precision: int = 2) -> str:
     return f"{value:g} {unit}".rstrip()
 
 
-def _depth(name: str) -> int:
+def _depth(name: str) -> int:  # "" (the model) is 0, "layers" 1, "layers.0" 2
     return 0 if name == "" else name.count(".") + 1
 
 
@@ -67,7 +73,7 @@ def _tree(prof: FlopsProfiler, module_depth: int) -> list[str]:
         if module_depth >= 0 and depth > module_depth:
             continue
         s = prof._stats_of(module)
-        params = sum(p.numel() for p in module.parameters())
+        params = sum(_param_numel(p) for p in module.parameters())
         macs, latency = s.macs, s.latency
         label = (name.rsplit(".", 1)[-1] if name else "(model)") + f" ({type(module).__name__})"
         lines.append(f"{'  ' * depth}{label}: {human(params, '')} params, "

@@ -2,6 +2,7 @@
 (world size 2, data parallelism), and StepTimers alone."""
 
 import logging
+import os
 import time
 
 import pytest
@@ -74,6 +75,24 @@ def test_wall_clock_breakdown_times_each_phase_and_prints_every_steps_per_print(
     rank0, rank1 = results
     assert len(rank0["timer_lines"]) == 1 and "mean of 2" in rank0["timer_lines"][0]
     assert rank1["timer_lines"] == []
+
+
+def _zero3_profile():
+    engine = small_engine(stage=3, flops_profiler={"enabled": True, "profile_step": 0, "detailed": False,
+                                                   "output_file": os.devnull})
+    tokens = torch.randint(0, 16, (1, 4))
+    engine.backward(engine(tokens, tokens))
+    engine.step()
+    engine.destroy()
+    return engine.flops_profile
+
+
+def test_zero3_profile_counts_whole_parameters_and_the_same_flops():
+    """Stage 3 keeps empty placeholders between forwards: the parameter count reads the
+    whole size (ds_numel), and the counted FLOPs do not change with sharding."""
+    for profile in run_distributed(_zero3_profile, world_size=2):
+        assert profile["params"] == TINY.num_params()
+        assert profile["flops"] == 3 * profile["forward_flops"] > 0
 
 
 def test_step_timers_sum_phases_and_collectives():
