@@ -290,7 +290,7 @@ class MeshspeedEngine(nn.Module):
         with self._observer.phase("backward"):
             scaled.backward(retain_graph=retain_graph)
             self.strategy.finish_backward()
-        self._observer.on_backward(loss)
+        self._observer.on_loss(loss)
         self._backward_done = self._backward_done or not self._no_sync  # no_sync's are carried on
         self._micro_started = False
         self._last_loss = loss.detach()

@@ -2,7 +2,9 @@
 `flops_profiler` step and the monitors (`tensorboard`, `csv_monitor`, `wandb`).
 
 The engine calls four points: `phase(...)` around its forward, backward and optimizer
-step, `on_backward(loss)`, `after_step()` once per optimizer step, and `close()`. With
+step, `on_loss(loss)`, `after_step()` once per optimizer step, and `close()`; the
+pipeline engine, which runs its schedule itself, calls `begin_batch` and `on_loss`
+around it (its forward and backward are not timed apart). With
 every block off each is a no-op, so an unobserved run pays nothing.
 """
 
@@ -13,7 +15,7 @@ import logging
 
 from meshspeed import comm
 from meshspeed.monitor.monitor import Monitor
-from meshspeed.monitor.step_events import StepFigures
+from meshspeed.monitor.step_events import StepFigures, count_tokens
 from meshspeed.profiling.flops_profiler import FlopsProfiler
 from meshspeed.profiling.timers import StepTimers
 
@@ -56,7 +58,17 @@ class StepObserver:
             self.profiler = FlopsProfiler(engine.module)
             self.profiler.start_profile()
 
-    def on_backward(self, loss) -> None:
+    def begin_batch(self, micro_batches) -> None:
+        """The pipeline engine's train_batch, before its schedule runs: the batch's
+        micro-batch inputs (None on stages that read none)."""
+        first, *rest = list(micro_batches or [()])
+        self._before_forward(first if isinstance(first, tuple) else (first,))
+        if self.figures is not None:
+            for mb in rest:
+                self.figures.tokens += count_tokens(mb if isinstance(mb, tuple) else (mb,))
+
+    def on_loss(self, loss) -> None:
+        """A micro-step's loss (or the pipeline's mean loss of a batch)."""
         if self.figures is not None:
             self.figures.on_backward(loss)
 

@@ -123,3 +123,29 @@ def _train_with_tensorboard(out_dir):
     engine.backward(engine(tokens, tokens))
     engine.step()
     engine.destroy()
+
+
+def _pipeline_with_csv(out_dir):
+    from torch import nn
+
+    import meshspeed
+    from meshspeed.parallel.pipeline.module import PipelineModule
+
+    torch.manual_seed(0)
+    net = PipelineModule([nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)], num_stages=2, loss_fn=nn.MSELoss())
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "csv_monitor": {"enabled": True, "output_path": out_dir, "job_name": "pipe"}}
+    engine, *_ = meshspeed.initialize(model=net, config=config)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 4, generator=g), torch.randn(2, 3, generator=g)) for _ in range(4)]
+    losses = [float(engine.train_batch(iter(batches[i:i + 2]))) for i in (0, 2)]
+    engine.destroy()
+    return losses
+
+
+def test_csv_monitor_on_a_pipeline_writes_train_batch_losses(tmp_path):
+    """2 stages (world size 2): train_batch's mean loss is what the CSV holds."""
+    rank0, _ = run_distributed(_pipeline_with_csv, world_size=2, args=(str(tmp_path),))
+    _, rows = _read(tmp_path / "pipe" / "Train_Samples_train_loss.csv")
+    assert rows == [(4, rank0[0]), (8, rank0[1])]  # 2 micro-batches of 2 samples per step
