@@ -11,6 +11,7 @@ from meshspeed.config.comms import CommsLoggerConfig
 from meshspeed.config.errors import ConfigError
 from meshspeed.config.known_keys import ACCEPTED_UNUSED
 from meshspeed.config.loader import load_config
+from meshspeed.config.monitor import FileMonitorConfig, FlopsProfilerConfig, WandbConfig
 from meshspeed.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from meshspeed.config.optim import OptimizerConfig, SchedulerConfig
 from meshspeed.config.precision import BF16Config, FP16Config
@@ -28,11 +29,14 @@ __all__ = [
     "CommsLoggerConfig",
     "ConfigError",
     "FP16Config",
+    "FileMonitorConfig",
+    "FlopsProfilerConfig",
     "MeshspeedConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "WandbConfig",
     "ZeroConfig",
     "load_config",
     "resolve_batch",

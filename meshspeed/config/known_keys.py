@@ -2,7 +2,7 @@
 
 This is the one list to edit when a feature lands: delete the key here and add a typed
 field to the owning model. A key in this set is accepted together with everything inside
-it (so whole blocks such as `flops_profiler` take any content) and is named in a single
+it (so whole blocks such as `autotuning` take any content) and is named in a single
 log line at load time. Keys that neither DeepSpeed nor meshspeed knows stay errors.
 
 Paths are dotted from the top of the config: "zero_optimization.elastic_checkpoint".
@@ -17,7 +17,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "autotuning",
         "comet",
         "compile",
-        "csv_monitor",
         "curriculum_learning",
         "data_efficiency",
         "data_types",
@@ -27,7 +26,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "eigenvalue",
         "elasticity",
         "expert_parallel",
-        "flops_profiler",
         "gradient_allreduce_op",
         "graph_harvesting",
         "hybrid_engine",
@@ -40,12 +38,10 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "seq_parallel_communication_data_type",
         "sparse_attention",
         "sparse_gradients",
-        "tensorboard",
         "timers",
         "torch_autocast",
         "use_data_before_expert_parallelism",
         "vocabulary_size",
-        "wandb",
         "weight_quantization",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",

@@ -53,8 +53,6 @@ NO_EFFECT: dict[str, str] = {
     "pipeline.seed_layers": "PipelineModule(seed_layers=...) decides, as in DeepSpeed",
     "pipeline.activation_checkpoint_interval": "PipelineModule(activation_checkpoint_interval=...) "
     "decides, as in DeepSpeed",
-    "wall_clock_breakdown": "meshspeed has no per-phase timers yet; use comms_logger for "
-    "communication and torch.profiler for the rest",
     "dump_state": "the resolved config is available as engine.config",
     "compression_training.weight_quantization.shared_parameters.quantizer_kernel": "weights are "
     "quantized with torch ops in the forward; DeepSpeed's CUDA kernel was a speed choice",

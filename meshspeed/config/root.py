@@ -13,6 +13,7 @@ from meshspeed.config.comms import CommDtype, CommsLoggerConfig
 from meshspeed.config.compression import CompressionConfig
 from meshspeed.config.context_parallel import ContextParallelConfig, resolve
 from meshspeed.config.gradient_compression import GradientCompressionConfig
+from meshspeed.config.monitor import FileMonitorConfig, FlopsProfilerConfig, WandbConfig
 from meshspeed.config.offload import AioConfig
 from meshspeed.config.optim import OptimizerConfig, SchedulerConfig
 from meshspeed.config.pipeline import PipelineConfig
@@ -54,13 +55,19 @@ class MeshspeedConfig(StrictModel):
     # skip (on every rank) and report a step whose gradients hold NaN/inf, as fp16 does;
     # one scalar all-reduce per step when gradients are sharded
     check_finite: bool = False
-    wall_clock_breakdown: bool = False  # time forward/backward/step
+    # time forward / backward / step / communication per step, printed every steps_per_print
+    wall_clock_breakdown: bool = False
     dump_state: bool = False  # print the resolved config after initialize
     seed: Int | None = None
     prescale_gradients: bool = False  # divide gradients before (not after) reduction
     gradient_predivide_factor: PositiveFloat = 1.0  # divide by this before, the rest after
     communication_data_type: CommDtype = None  # gradient reduction dtype; None = training dtype
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    # observability: meshspeed/profiling and meshspeed/monitor (docs/observability.md)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensorboard: FileMonitorConfig = Field(default_factory=FileMonitorConfig)
+    csv_monitor: FileMonitorConfig = Field(default_factory=FileMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(

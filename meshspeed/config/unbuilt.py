@@ -7,7 +7,7 @@ a report or a tuning knob, so each key is judged by its value:
 * a value that asks for a parallelism or for different numerics (ZeRO++ hierarchical
   partitioning, `amp`, ...) is a
   ConfigError: training on would silently be plain data parallelism, or other numbers;
-* a monitor or logger that is switched on (`tensorboard`, `wandb`, `flops_profiler`, ...)
+* a monitor or logger that is switched on (`comet`, `timers`, `eigenvalue`, ...)
   is one warning on rank 0 saying it is not there;
 * anything else (tuning knobs of DeepSpeed's own implementation) is one notice on rank 0.
 
@@ -73,11 +73,7 @@ ASKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 # monitors and loggers: path -> what to use instead
 MONITORS: dict[str, str] = {
-    "tensorboard": "engine.comm_logger / your own SummaryWriter",
-    "wandb": "your own wandb.log calls",
-    "csv_monitor": "your own logging",
     "comet": "your own logging",
-    "flops_profiler": "torch.profiler",
     "timers": "torch.profiler",
     "memory_breakdown": "engine.memory_breakdown()",
     "nebula": "checkpoint.async_save",

@@ -18,6 +18,7 @@ from meshspeed.compression.scheduler import engine_scheduler
 from meshspeed.config.errors import ConfigError
 from meshspeed.engine.agreement import STEP_COUNTERS, agree
 from meshspeed.engine.memory import count_bytes
+from meshspeed.engine.observe import StepObserver
 from meshspeed.engine.tp_grads import TensorParallelGrads
 from meshspeed.offload.tiers import add_tiers, resident_state_tensors
 from meshspeed.optim.clip import clip_by_norm_, clip_coef, global_grad_norm
@@ -80,6 +81,21 @@ class MeshspeedEngine(nn.Module):
         self._cuts_batches = False
         # compression_training: starts techniques at their schedule_offset (DeepSpeed's name)
         self.compression_scheduler = engine_scheduler(module, config, topology.size("tp"))
+        # wall_clock_breakdown, flops_profiler and the monitors (engine/observe.py); a
+        # monitor whose package is missing raises here, at initialize, on every rank
+        self._observer = StepObserver(self)
+
+    @property
+    def timers(self):
+        """`wall_clock_breakdown`'s StepTimers (meshspeed/profiling/timers.py), else None:
+        `timers.last_step` holds the last optimizer step's seconds per phase."""
+        return self._observer.timers
+
+    @property
+    def flops_profile(self) -> dict | None:
+        """Totals of the `flops_profiler` step once it has run: flops, forward_flops,
+        params, forward_seconds."""
+        return self._observer.profile_figures
 
     def attach_context(self, context, cuts_batches: bool) -> None:
         """Context parallelism: forward cuts each batch for this rank (unless the model
@@ -240,6 +256,10 @@ class MeshspeedEngine(nn.Module):
             self._micro_reduces = self._reduces_now()
             self.strategy.begin_micro_step(self._micro_reduces)
             self._micro_started = True
+        with self._observer.phase("forward", inputs):
+            return self._run_module(inputs, kwargs)
+
+    def _run_module(self, inputs, kwargs):
         if self._cuts_batches:  # Note [cutting a batch for context parallelism]
             from meshspeed.sequence.data import cut_batch, weigh_loss
 
@@ -267,8 +287,10 @@ class MeshspeedEngine(nn.Module):
         deferred = self.strategy.deferred_grads()
         if deferred is not None:  # gradients land in files, unscaled on the way
             deferred.loss_scale = self.loss_scaler.scale
-        scaled.backward(retain_graph=retain_graph)
-        self.strategy.finish_backward()
+        with self._observer.phase("backward"):
+            scaled.backward(retain_graph=retain_graph)
+            self.strategy.finish_backward()
+        self._observer.on_loss(loss)
         self._backward_done = self._backward_done or not self._no_sync  # no_sync's are carried on
         self._micro_started = False
         self._last_loss = loss.detach()
@@ -304,6 +326,12 @@ class MeshspeedEngine(nn.Module):
         return None if weights is None else weights(masters)
 
     def _apply_step(self) -> None:
+        """The optimizer step at an accumulation boundary, timed and reported (observe.py)."""
+        with self._observer.phase("step"):
+            self._optimizer_step()
+        self._observer.after_step()
+
+    def _optimizer_step(self) -> None:
         """The optimizer step at an accumulation boundary: agree, reduce, check, clip, step."""
         # Note [agreement before each step]
         counters = dict(zip(STEP_COUNTERS, (self.global_steps, self.micro_steps, self.skipped_steps)))
@@ -439,6 +467,7 @@ class MeshspeedEngine(nn.Module):
         from meshspeed.offload.optimizer import OffloadOptimizer
 
         wait_for_pending(self)
+        self._observer.close()
         self.strategy.flush()
         if isinstance(self.optimizer, OffloadOptimizer):
             self.optimizer.close()

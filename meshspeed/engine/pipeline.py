@@ -173,11 +173,13 @@ class PipelineEngine(MeshspeedEngine):
         self.module.train()
         m = int(self.gradient_accumulation_steps)
         inputs, targets = self._read_batch(data_iter, m, "train_batch")
+        self._observer.begin_batch(inputs)  # monitors, flops_profiler (engine/observe.py)
         if self.record_timeline:
             self.timeline = []  # this batch's spans only
         actions = self._actions(m)
         losses = self._run(actions, inputs, targets, train=True)
         self.agg_train_loss = self._mean_loss(losses)
+        self._observer.on_loss(self.agg_train_loss)
         self._last_loss = self.agg_train_loss  # before the step: its log line prints this batch's
         self.micro_steps += m
         self.global_samples += self.train_batch_size()

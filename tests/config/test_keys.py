@@ -57,8 +57,8 @@ def test_every_problem_reported_one_per_line():
 def test_known_unused_keys_accepted_and_logged_once(caplog):
     config = {
         "zero_allow_untested_optimizer": True,
-        "flops_profiler": {"enabled": True, "anything": {"goes": [1, 2]}},
-        "tensorboard": {"enabled": False, "output_path": "x"},  # off: not reported
+        "comet": {"enabled": True, "anything": {"goes": [1, 2]}},
+        "eigenvalue": {"enabled": False, "max_iter": 3},  # off: not reported
         "zero_optimization": {"stage": 2, "elastic_checkpoint": True},
         "fp16": {"enabled": True, "fp16_master_weights_and_grads": False},  # asks nothing
         "bf16": {"enabled": False, "immediate_grad_update": True},  # block off: not reported
@@ -69,10 +69,10 @@ def test_known_unused_keys_accepted_and_logged_once(caplog):
     assert lines == [("config keys accepted but not used by meshspeed yet: "
                      "zero_allow_untested_optimizer, zero_optimization.elastic_checkpoint")]
     monitors = [r.getMessage() for r in caplog.records if "monitors" in r.getMessage()]
-    assert len(monitors) == 1 and "flops_profiler" in monitors[0] and "tensorboard" not in monitors[0]
+    assert len(monitors) == 1 and "comet" in monitors[0] and "eigenvalue" not in monitors[0]
     assert cfg.zero_stage == 2 and cfg.fp16.enabled
-    assert "flops_profiler" in cfg.ignored_keys
-    assert "flops_profiler" not in cfg.to_dict()
+    assert "comet" in cfg.ignored_keys
+    assert "comet" not in cfg.to_dict()
 
 
 @pytest.mark.parametrize("config, says", [

@@ -23,14 +23,14 @@ def test_defaults_and_default_values_are_silent(caplog):
 
 def test_a_changed_field_is_named_with_its_reason_once(caplog):
     cfg = {"zero_optimization": {"stage": 2, "reduce_scatter": False, "allgather_bucket_size": 5e7},
-           "wall_clock_breakdown": True}
+           "dump_state": True}
     with caplog.at_level(logging.WARNING, logger="meshspeed"):
         notes = _report(cfg)
     assert len(notes) == 3
     assert any(n.startswith("zero_optimization.reduce_scatter=False has no effect: stages 1-3 always "
                             "reduce-scatter") for n in notes)
     assert caplog.text.count("config keys with no effect") == 1
-    assert "allgather_bucket_size" in caplog.text and "wall_clock_breakdown" in caplog.text
+    assert "allgather_bucket_size" in caplog.text and "dump_state" in caplog.text
 
 
 def test_other_ranks_stay_quiet(caplog):
