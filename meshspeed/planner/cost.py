@@ -28,6 +28,19 @@ from meshspeed.planner.estimate import estimate_memory
 from meshspeed.planner.hardware import Hardware
 from meshspeed.planner.model_spec import PlanModel
 
+_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default, elements
+
+# Note [buffers at the peak]
+# Measured against meshspeed's engine (tests/planner/test_plan_measured.py):
+# * stages 0-1: a rank's gradients are the flat buckets themselves, reduced in place; no
+#   other buffer exists while activations peak.
+# * stage 2: the flat gradient buffer of up to one reduce bucket and its 1/n reduced shard.
+# * stage 3: the units in flight (the root unit -- embedding and head -- and two blocks),
+#   each with its gradient staging (whole + 1/n, as in offload.py) and its gathered
+#   16-bit working copy.
+# Activation temporaries (a matmul's output before the next op consumes it) are not
+# counted: the headroom fraction covers them and fragmentation.
+
 PRECISION = {  # bytes per parameter: (param, grad, optimizer), and activations
     "bf16": (2, 2, 12, 2), "fp16": (2, 2, 12, 2), "fp32": (4, 4, 8, 4),
 }
@@ -102,20 +115,14 @@ def memory(model: PlanModel, c: Candidate, seq_len: int, precision: str = "bf16"
     pb, gb, ob, ab = PRECISION[precision]
     dense, expert = rank_params(model, c)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    buffers = 0.0
     for psi, group in ((dense, c.dp * c.cp), (expert, c.dp // c.ep * c.cp)):
         if psi == 0:
             continue
-        est = estimate_memory(psi, group, c.stage, pb, gb, ob, offload_optimizer=c.offload,
-                              reduce_bucket_size=min(500_000_000, psi),
-                              max_live_parameters=0, prefetch_bucket_size=0)
+        est = estimate_memory(psi, group, c.stage, pb, gb, ob, offload_optimizer=c.offload)
         for part, key in (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer_states")):
             if est["placement"][key] == "device":
                 out[part] += est[key]
-        buffers += est["detail"]["comm_buffers"]["reduce_buckets"]
-    if c.stage == 3 and c.dp * c.cp > 1:  # gathered working copies: two blocks (one prefetched)
-        blocks = 2 * (model.dense_block_params(False) // c.tp)
-        buffers += pb * (blocks + model.shape.vocab_size * model.shape.d_model // c.tp)
+    buffers = _buffers(model, c, pb, gb, dense)
     out["activations"] = _activations(model, c, seq_len, ab)
     tokens = c.micro_batch * seq_len // c.cp
     if c.pp > 1:  # a received and a sent activation (and their gradients) in flight
@@ -125,6 +132,21 @@ def memory(model: PlanModel, c: Candidate, seq_len: int, precision: str = "bf16"
     out["headroom"] = used * headroom / (1 - headroom)
     out["total"] = used + out["headroom"]
     return out
+
+
+def _buffers(model: PlanModel, c: Candidate, pb: int, gb: int, dense: int) -> float:
+    """Communication buffers live at the activation peak, as meshspeed's engine keeps them
+    (Note [buffers at the peak])."""
+    n = c.dp * c.cp
+    if c.stage <= 1 or n == 1:
+        return 0.0
+    if c.stage == 2:
+        return gb * min(dense, _BUCKET) * (1 + 1 / n)
+    s = model.shape
+    unit = -(-s.vocab_size * s.d_model * (1 if s.tie_embeddings else 2) // c.tp)
+    unit += min(2, s.n_layer // c.pp) * (model.dense_block_params(False) // c.tp)
+    unit = min(unit, dense)
+    return unit * (gb * (1 + 1 / n) + pb)
 
 
 def _activations(model: PlanModel, c: Candidate, seq_len: int, ab: int) -> float:
