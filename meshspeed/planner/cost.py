@@ -217,7 +217,9 @@ def _dp_time(model, c, hw, pb, gb, compute) -> tuple[float, float, float]:
     stage 0-1: one all-reduce of the gradients per step (stage 1: reduce-scatter +
     all-gather, the same volume); stage 2: a reduce-scatter per micro-batch and one
     all-gather of the updated shard; stage 3: per micro-batch an all-gather in forward,
-    one in backward and a reduce-scatter (the ZeRO paper's 1.5x, times m)."""
+    one in backward and a reduce-scatter (the ZeRO paper's 1.5x, times m), and one more
+    all-gather with activation checkpointing (the recomputed forward needs the block's
+    parameters again: measured on meshspeed's engine, tests/planner/test_plan_measured.py)."""
     dense, expert = rank_params(model, c)
     strides = c.strides()
     m = c.grad_accum
@@ -232,8 +234,10 @@ def _dp_time(model, c, hw, pb, gb, compute) -> tuple[float, float, float]:
             total += ln.ring(n, g, 2)
         elif c.stage == 2:
             total += m * ln.ring(n, g) + ln.ring(n, p)
-        else:
-            total += m * (2 * ln.ring(n, p) + ln.ring(n, g))
+        else:  # one collective per unit (a block, and the root); recomputation gathers again
+            units = model.shape.n_layer // c.pp + 1
+            total += m * units * ((3 if c.checkpointing else 2) * ln.ring(n, p / units)
+                                  + ln.ring(n, g / units))
     exposed = total - hw.overlap * min(total, compute)
     offload = 0.0
     if c.offload:

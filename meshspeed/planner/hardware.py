@@ -5,13 +5,17 @@ bandwidth). Pure arithmetic.
 Note [collective times]
 A ring over n ranks moves (n-1)/n of the buffer per rank for a reduce-scatter, an
 all-gather or an all-to-all, and twice that for an all-reduce (reduce-scatter then
-all-gather), in n-1 (resp. 2(n-1)) steps that each pay the link's latency alpha. A group
+all-gather). Latency: a ring pays alpha n-1 times (2(n-1) for an all-reduce), a tree or
+recursive doubling ceil(log2 n) times; libraries such as NCCL pick the tree when messages
+are small, so the model charges the smaller count with the ring's bandwidth term (the
+best of both: optimistic by at most that choice). A group
 that spans nodes runs at the inter-node link's speed: a ring is as slow as its slowest
 hop (hierarchical algorithms do better; this is the conservative figure).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -46,7 +50,8 @@ class Link:
         2: all-reduce). Note [collective times]."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return factor * ((n - 1) * self.alpha + (n - 1) / n * nbytes / self.bandwidth)
+        steps = min(n - 1, math.ceil(math.log2(n)))
+        return factor * (steps * self.alpha + (n - 1) / n * nbytes / self.bandwidth)
 
     def p2p(self, nbytes: float) -> float:
         return 0.0 if nbytes <= 0 else self.alpha + nbytes / self.bandwidth

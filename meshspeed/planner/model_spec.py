@@ -26,6 +26,7 @@ class PlanModel:
     num_experts: int = 0  # experts per MoE layer; 0: dense
     moe_every: int = 1  # every moe_every-th block is an MoE block
     top_k: int = 1  # experts each token visits
+    capacity_factor: float = 1.0  # expert slots per token and k: the experts compute every slot
 
     @classmethod
     def from_any(cls, model: Any) -> PlanModel:
@@ -48,7 +49,8 @@ class PlanModel:
         every = int(raw.get("moe_every") or (2 if "moe_every" in model or "n_layer" in model else 1))
         if "num_hidden_layers" in model:
             every = 1
-        return cls(ModelShape.from_any(raw), experts, every, int(raw.get("moe_top_k") or 1))
+        return cls(ModelShape.from_any(raw), experts, every, int(raw.get("moe_top_k") or 1),
+                   float(raw.get("moe_capacity_factor") or 1.0))
 
     @property
     def moe_layers(self) -> int:
@@ -76,8 +78,10 @@ class PlanModel:
 
     @property
     def active_params(self) -> int:
-        """Parameters one token's forward multiplies by (top_k experts per MoE layer)."""
-        extra = self.moe_layers * ((self.top_k - 1) * self.mlp_params + self.shape.d_model * self.num_experts)
+        """Parameters one token's forward multiplies by, on average: top_k experts per MoE
+        layer, times the capacity factor (the experts compute their empty slots too)."""
+        visits = self.top_k * self.capacity_factor
+        extra = self.moe_layers * ((visits - 1) * self.mlp_params + self.shape.d_model * self.num_experts)
         return param_count(self.shape) + extra
 
     def train_flops_per_token(self, seq_len: int, recompute: bool = False) -> float:

@@ -93,6 +93,14 @@ class Plan:
         return self.candidates[0]
 
     def price(self, c: Candidate) -> Choice:
+        """Cost one layout of this plan's job (its degrees must multiply to the devices,
+        dp x micro-batch x accumulation to the global batch)."""
+        if c.world != self.hardware.gpus:
+            raise ValueError(f"{c.label()} uses {c.world} devices, not the {self.hardware.gpus} "
+                             "of this plan")
+        if c.dp * c.micro_batch * c.grad_accum != self.global_batch:
+            raise ValueError(f"{c.label()} takes {c.dp * c.micro_batch * c.grad_accum} samples, not "
+                             f"the global batch {self.global_batch} (dp x micro-batch x accumulation)")
         mem = memory(self.model, c, self.seq_len, self.precision, self.headroom)
         t = step_time(self.model, c, self.hardware, self.global_batch, self.seq_len, self.precision)
         return Choice(c, mem, t, mem["total"] <= self.hardware.gpu_memory, self)

@@ -78,51 +78,54 @@ def states_and_peak(model_fields: dict, config: dict, seq_len: int, checkpointin
     return {"mem": mem, "peak": start + peak, "start": start}
 
 
-def calibrate(sizes=(256, 512), nbytes=(1 << 12, 1 << 21), repeats=5) -> dict:
-    """This machine's figures for the cost model: FLOP/s of one rank's matmul (both ranks
-    computing at once, as in training) and the alpha-beta fit of a 2-rank gloo
-    all-reduce from a small and a large message."""
+def calibrate(small: int = 1 << 15, large: int = 1 << 22, repeats: int = 15) -> dict:
+    """The links' figures for the cost model, from 2-rank gloo all-reduces, each the
+    median of `repeats` timings. The latency alpha is measured between pieces of compute,
+    as training meets it: (matmul + small all-reduce) - matmul alone. On a loaded machine
+    that is far more than back-to-back all-reduces show, since each collective waits
+    until both ranks are scheduled. The bandwidth comes from the large message."""
     from meshspeed import comm
 
     torch.set_num_threads(1)
-    n = max(sizes)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    flops = 2 * n**3 * repeats / (time.perf_counter() - t0)
-    times = []
-    for size in nbytes:
-        buf = torch.zeros(size // 4)
-        comm.all_reduce(buf)
+    a, b = torch.randn(256, 128), torch.randn(128, 256)
+    small_buf, large_buf = torch.zeros(small // 4), torch.zeros(large // 4)
+
+    def median_time(fn):
+        fn()
         comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            comm.all_reduce(buf)
-        times.append((time.perf_counter() - t0) / repeats)
-    world = comm.get_world_size()
-    # ring all-reduce: 2 (n-1) alpha + 2 (n-1)/n bytes / bw
-    ring = 2 * (world - 1) / world
-    bw = ring * (nbytes[1] - nbytes[0]) / max(times[1] - times[0], 1e-9)
-    alpha = max(times[0] - ring * nbytes[0] / bw, 1e-6) / (2 * (world - 1))
-    return {"flops": flops, "bandwidth": bw, "alpha": alpha}
-
-
-def step_times(model_fields: dict, runs: list[tuple[dict, int, bool]], steps: int = 3) -> dict:
-    """Median seconds per optimizer step of each (config, seq_len, checkpointing), after
-    one warm-up step; plus the calibration figures."""
-    torch.set_num_threads(1)
-    out = {"calibration": calibrate(), "times": []}
-    for config, seq_len, checkpointing in runs:
-        engine = _build(model_fields, config, checkpointing)
-        batch = _batch(engine, model_fields, seq_len)
-        _step(engine, batch)
         samples = []
-        for _ in range(steps):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    work = median_time(lambda: a @ b)
+    with_ar = median_time(lambda: (a @ b, comm.all_reduce(small_buf)))
+    big = median_time(lambda: comm.all_reduce(large_buf))
+    world = comm.get_world_size()  # 2: the fit below is for two ranks
+    # all-reduce of 2 ranks: 2 alpha + bytes / bw (Note [collective times])
+    ring = 2 * (world - 1) / world
+    bw = ring * large / big
+    alpha = max(with_ar - work - ring * small / bw, 1e-6) / 2
+    return {"bandwidth": bw, "alpha": alpha}
+
+
+def step_times(model_fields: dict, runs: list[tuple[dict, int, bool]], rounds: int = 4) -> dict:
+    """Seconds per optimizer step of each (config, seq_len, checkpointing): all engines are
+    built first, then timed in turn, one step each per round, `rounds` rounds after a
+    warm-up step; the minimum over rounds is kept. Interleaving spreads the load of a
+    shared machine over every configuration alike, and the minimum is the figure least
+    disturbed by it. Also returns the calibration figures."""
+    torch.set_num_threads(1)
+    engines = [(_build(model_fields, config, ck), seq) for config, seq, ck in runs]
+    batches = [_batch(engine, model_fields, seq) for engine, seq in engines]
+    for (engine, _), batch in zip(engines, batches):
+        _step(engine, batch)
+    best = [float("inf")] * len(engines)
+    for _ in range(rounds):
+        for i, ((engine, _), batch) in enumerate(zip(engines, batches)):
             t0 = time.perf_counter()
             _step(engine, batch)
-            samples.append(time.perf_counter() - t0)
-        out["times"].append(statistics.median(samples))
-    return out
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return {"calibration": calibrate(), "times": best}
