@@ -166,14 +166,22 @@ class Plan:
                 if axis == "tp" and not isinstance(double, str) and hw.crosses_nodes(1, deg * 2):
                     note = " (its all-reduces would cross nodes)"
                 alts.append(self._versus(ch, f"{axis} {deg * 2}{note}", double))
-            why = "; ".join(alts) or "no other degree is possible"
+            if c.dp % 2:
+                alts.append(f"{axis} {deg * 2} would need devices that data parallelism (dp {c.dp}) "
+                            "does not have to give")
+            why = "; ".join(alts)
             out.append(f"{axis} {deg}: {why}.")
         groups = c.strides()
         stride, n = groups["dp_cp"]
         where = "across nodes" if hw.crosses_nodes(stride, n) else "inside a node"
-        out.append(f"dp {c.dp}: the devices left over replicate the model; each of the {c.dp} "
-                   f"ranks takes {self.global_batch // c.dp} samples a step, its gradient traffic runs "
-                   f"{where} and costs {ch.time['dp'] * 1e3:.1f} ms exposed per step.")
+        split = c.tp * c.cp * c.pp
+        if c.dp == 1:
+            out.append(f"dp 1: the model split (tp x cp x pp = {split}) takes every device; the "
+                       f"{self.global_batch} samples run as {c.grad_accum} micro-batches of {c.micro_batch}.")
+        else:
+            out.append(f"dp {c.dp}: the {hw.gpus} devices over the model split of {split}; each "
+                       f"data-parallel rank takes {self.global_batch // c.dp} samples a step, and the "
+                       f"gradient traffic runs {where}, {ch.time['dp'] * 1e3:.1f} ms of it exposed per step.")
         stage_alts = [self._versus(ch, f"ZeRO {s}", self._variant(c, stage=s))
                       for s in (0, 1, 2, 3) if s != c.stage and not (s == 0 and c.offload)]
         out.append(f"ZeRO stage {c.stage}: " + "; ".join(stage_alts) + ".")

@@ -175,7 +175,7 @@ def test_a_small_model_is_plain_data_parallel():
 def test_nothing_fits_is_one_clear_sentence():
     p = plan(LLAMA_70B, 8, "16GB", global_batch=8, seq_len=4096, offloads=(None,))
     with pytest.raises(ValueError, match="no layout of 68.98B parameters on 8 devices of 16.0 GB fits"):
-        p.best
+        _ = p.best
 
 
 @pytest.mark.parametrize("layout", [Candidate(dp=4, stage=2, micro_batch=2, grad_accum=1),
