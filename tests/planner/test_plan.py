@@ -4,6 +4,7 @@ bubble, the candidate space, the explanation, and the written config loading."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -230,3 +231,44 @@ def test_moe_expert_parallel_shards_experts():
     t = step_time(spec, Candidate(dp=4, ep=4, micro_batch=1, grad_accum=1),
                   Hardware(gpus=4, gpu_memory=1e12), 4, 64)
     assert t["ep"] > 0 and math.isfinite(t["total"])
+
+
+def test_groups_that_span_nodes_run_at_the_inter_node_link():
+    spec = PlanModel.from_any(TINY)
+    c = Candidate(dp=4, stage=0, micro_batch=1, grad_accum=1)
+    inside = Hardware(gpus=4, gpu_memory=1e12, gpus_per_node=4, intra=Link(100e9, 0), inter=Link(10e9, 0),
+                      overlap=0.0)
+    across = dataclasses.replace(inside, gpus_per_node=2)
+    t_in, t_out = (step_time(spec, c, hw, 4, 64)["dp"] for hw in (inside, across))
+    assert t_out == pytest.approx(10 * t_in)  # bandwidth-only links: the 10x slower one
+    grads = 2 * spec.num_params  # bf16
+    assert t_in == pytest.approx(2 * 3 / 4 * grads / 100e9)
+
+
+def test_ulysses_traffic_is_four_all_to_alls_each_way():
+    """cp: q, k, v and the output change layout, forward and backward, per block; with
+    n_kv_head = n_head each of the 4 tensors is the local activation."""
+    spec = PlanModel.from_any(TINY)
+    hw = Hardware(gpus=2, gpu_memory=1e12, intra=Link(1e9, 1e-5))
+    t = step_time(spec, Candidate(dp=1, cp=2, micro_batch=2, grad_accum=1), hw, 2, 64)
+    act = 2 * 32 * TINY["d_model"] * 2  # mb 2 x S/cp 32 x d, bf16
+    assert t["cp"] == pytest.approx(TINY["n_layer"] * 2 * 4 * hw.intra.ring(2, act))
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    p = plan(TINY, 2, "80GB", global_batch=4, seq_len=64)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(RuntimeError, match="needs matplotlib, which is not installed"):
+        p.plot(tmp_path / "x.png")
+
+
+def test_cli_json(tmp_path, capsys):
+    model = tmp_path / "gpt.json"
+    model.write_text(json.dumps(TINY))
+    assert cli_main(["plan", "--model", str(model), "--gpus", "4", "--gpu-memory", "8GB",
+                     "--global-batch", "8", "--seq-len", "64", "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["candidates"]) == 3 and out["best"] == out["candidates"][0]
+    assert out["best"]["config"]["train_batch_size"] == 8
