@@ -34,10 +34,15 @@ _BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default, element
 # Measured against meshspeed's engine (tests/planner/test_plan_measured.py):
 # * stages 0-1: a rank's gradients are the flat buckets themselves, reduced in place; no
 #   other buffer exists while activations peak.
-# * stage 2: the flat gradient buffer of up to one reduce bucket and its 1/n reduced shard.
+# * stage 2: the flat gradient buffer of up to one reduce bucket, its 1/n reduced shard,
+#   and, depending on when the asynchronous reduction runs against backward, one more
+#   bucket-sized copy: measured peaks of the same step differ by exactly that (two runs,
+#   4.24 MB and 4.80 MB for a 140k-parameter fp32 model), so it is counted.
 # * stage 3: the units in flight (the root unit -- embedding and head -- and two blocks),
 #   each with its gradient staging (whole + 1/n, as in offload.py) and its gathered
-#   16-bit working copy.
+#   16-bit working copy; with checkpointing one more gathered block (the recomputed
+#   forward's), seen as up to 0.46 MB more at the peak of a 2-layer model, depending
+#   on timing.
 # Activation temporaries (a matmul's output before the next op consumes it) are not
 # counted: the headroom fraction covers them and fragmentation.
 
@@ -141,12 +146,15 @@ def _buffers(model: PlanModel, c: Candidate, pb: int, gb: int, dense: int) -> fl
     if c.stage <= 1 or n == 1:
         return 0.0
     if c.stage == 2:
-        return gb * min(dense, _BUCKET) * (1 + 1 / n)
+        return gb * min(dense, _BUCKET) * (2 + 1 / n)
     s = model.shape
-    unit = -(-s.vocab_size * s.d_model * (1 if s.tie_embeddings else 2) // c.tp)
-    unit += min(2, s.n_layer // c.pp) * (model.dense_block_params(False) // c.tp)
-    unit = min(unit, dense)
-    return unit * (gb * (1 + 1 / n) + pb)
+    root = -(-s.vocab_size * s.d_model * (1 if s.tie_embeddings else 2) // c.tp)
+    block = model.dense_block_params(False) // c.tp
+    in_flight = min(2, s.n_layer // c.pp)
+    staging = min(root + in_flight * block, dense)
+    # recomputation gathers a block again while backward's copy of the next is alive
+    gathered = min(root + in_flight * block, dense) + (block if c.checkpointing else 0)
+    return staging * gb * (1 + 1 / n) + gathered * pb
 
 
 def _activations(model: PlanModel, c: Candidate, seq_len: int, ab: int) -> float:
