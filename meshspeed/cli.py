@@ -12,6 +12,7 @@ _COMMANDS = {
     "env": ("meshspeed.runtime.env_report", "report versions, accelerator, backends, features"),
     "demo": ("meshspeed.demo", "train a small byte-level GPT on the Python stdlib source"),
     "estimate": ("meshspeed.planner.cli", "estimate memory per device for a ZeRO configuration"),
+    "plan": ("meshspeed.planner.plan_cli", "rank parallel layouts by predicted step time and memory"),
     "convert": ("meshspeed.checkpoint.cli", "consolidate a sharded checkpoint into one file"),
     "aio-bench": ("meshspeed.offload.aio_bench", "measure the NVMe swap engine's bandwidth"),
     "pipeline-plot": ("meshspeed.parallel.pipeline.plot", "draw a pipeline schedule as executed (Gantt chart PNG)"),
