@@ -51,7 +51,10 @@ def _store() -> Any:
 
 
 def _key(kind: str, rank: int) -> str:
-    return f"{_PREFIX}/{kind}/{rank}"
+    # torchrun's static rendezvous keeps one store across restarts of the group: a key of
+    # this attempt must not be read as a record of the previous one
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{_PREFIX}/{attempt}/{kind}/{rank}"
 
 
 def introduce() -> None:
@@ -158,3 +161,17 @@ def _describe(store: Any, rank: int, rec: dict | None, group: str, seq: int) -> 
         return (f"did not answer within {GRACE_S:.0f} s; its process {who['pid']} is alive: it is "
                 "still computing, or waits outside any collective"), False
     return f"its process {who['pid']} is gone: rank {rank} died (see its own output)", False
+
+
+def dead_peers(world_size: int) -> list[tuple[int, int]]:
+    """(rank, pid) of every rank on this host whose process is gone, from the records of
+    `introduce`; bounded and best effort like the rest of the roll call ([] without a store)."""
+    store = _store()
+    if store is None:
+        return []
+    host, me, dead = socket.gethostname(), dist.get_rank(), []
+    for rank in range(world_size):
+        who = _read(store, _key("who", rank)) if rank != me else None
+        if who is not None and who.get("host") == host and not _alive(int(who["pid"])):
+            dead.append((rank, int(who["pid"])))
+    return dead

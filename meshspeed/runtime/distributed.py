@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from meshspeed.comm import rollcall, sequence
 from meshspeed.runtime.accelerator import Accelerator, get_accelerator
+from meshspeed.runtime.stopped import install_stop_report
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ def init_distributed(
     global _launch_env
     _launch_env = env
     rollcall.introduce()
+    install_stop_report()  # Note [naming the dead rank when torchrun stops the job]
     atexit.register(_shutdown)
     if verbose and env.rank == 0:
         logger.info("meshspeed: %s process group, %s", backend, env.describe())
