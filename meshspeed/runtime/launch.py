@@ -161,16 +161,19 @@ class Launch(NamedTuple):
 # says what to change.
 
 
+_STATIC_RESTARTS = ("--max-restarts with torchrun's static rendezvous: a restarted group can read its "
+                    "peers' addresses from the attempt that died and fail to connect; on one node "
+                    "drop --master-port/--master-addr (meshspeed run then adds --standalone), on "
+                    "several use --rdzv-backend c10d --rdzv-endpoint host:port")
+
+
 def _restart_options(parsed, ns) -> tuple[list[str], tuple[str, ...]]:
     """(options to add, notes): Note [restarts need a fresh store]."""
     static = parsed.rdzv_backend == "static" and not parsed.standalone
     if parsed.max_restarts <= 0 or not static:
         return [], ()
     if str(parsed.nnodes) not in ("1", "1:1") or ns.master_port is not None or ns.master_addr is not None:
-        return [], ("--max-restarts with torchrun's static rendezvous: a restarted group can read its "
-                    "peers' addresses from the attempt that died and fail to connect; on one node "
-                    "drop --master-port/--master-addr (meshspeed run then adds --standalone), on "
-                    "several use --rdzv-backend c10d --rdzv-endpoint host:port",)
+        return [], (_STATIC_RESTARTS,)
     return ["--standalone"], ()
 
 
