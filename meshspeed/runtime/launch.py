@@ -146,35 +146,6 @@ class Launch(NamedTuple):
     env: dict[str, str]  # set for the launched processes
     node_commands: list[str]  # instead of argv: what each node must run (several hosts)
     compat: bool  # --deepspeed-compat: the deepspeed shim goes first on PYTHONPATH
-    notes: tuple[str, ...] = ()  # said on stderr before starting
-
-
-# Note [restarts need a fresh store]
-# torchrun's default rendezvous ("static", on --master-port) keeps one TCP store for the
-# whole job, restarts included, and the workers' process group keys are not separated by
-# attempt: a restarted rank can read its peer's address from the attempt that died and
-# fail to connect ("Gloo connectFullMesh failed ... Connection refused"), which ends the
-# job after one restart (2 runs in 3 on a busy 2-core machine). The c10d rendezvous
-# (`--standalone` on one node) starts a fresh store for every round. So with
-# --max-restarts on one node, and no rendezvous or master port chosen, `meshspeed run`
-# adds --standalone; when the user chose a port or address, it keeps their choice and
-# says what to change.
-
-
-_STATIC_RESTARTS = ("--max-restarts with torchrun's static rendezvous: a restarted group can read its "
-                    "peers' addresses from the attempt that died and fail to connect; on one node "
-                    "drop --master-port/--master-addr (meshspeed run then adds --standalone), on "
-                    "several use --rdzv-backend c10d --rdzv-endpoint host:port")
-
-
-def _restart_options(parsed, ns) -> tuple[list[str], tuple[str, ...]]:
-    """(options to add, notes): Note [restarts need a fresh store]."""
-    static = parsed.rdzv_backend == "static" and not parsed.standalone
-    if parsed.max_restarts <= 0 or not static:
-        return [], ()
-    if str(parsed.nnodes) not in ("1", "1:1") or ns.master_port is not None or ns.master_addr is not None:
-        return [], (_STATIC_RESTARTS,)
-    return ["--standalone"], ()
 
 
 def launch_plan(args: argparse.Namespace, *, device_count: int | None = None,
@@ -216,9 +187,7 @@ def launch_plan(args: argparse.Namespace, *, device_count: int | None = None,
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
     if ns.deepspeed_compat:
         target, rest = _compat_target(target, rest, parsed, ns.no_local_rank)
-    restart, notes = _restart_options(parsed, ns)
-    return Launch(["--nproc-per-node", str(nproc), *opts, *restart, *rest, *target], env, [],
-                  ns.deepspeed_compat, notes)
+    return Launch(["--nproc-per-node", str(nproc), *opts, *rest, *target], env, [], ns.deepspeed_compat)
 
 
 def _node_command(plan, ns, rest: list[str], target: list[str]) -> str:
@@ -281,8 +250,6 @@ def main(args: argparse.Namespace) -> int:
         for line in launch.node_commands:
             print(f"  {line}", file=sys.stderr)
         return 2
-    for note in launch.notes:
-        print(f"meshspeed run: warning: {note}", file=sys.stderr)
     try:
         with _launch_environment(launch.env, compat=launch.compat):
             torchrun_main(launch.argv)

@@ -67,23 +67,3 @@ def test_missing_script_is_a_usage_error(capsys):
 def test_torchrun_argv_keeps_order(argv, expected, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert launch.torchrun_argv(parse(argv)) == expected
-
-
-@pytest.mark.parametrize(
-    ("argv", "expected", "warned"),
-    [  # Note [restarts need a fresh store]
-        (["--max-restarts", "1", "train.py"],
-         ["--nproc-per-node", "1", "--standalone", "--max-restarts", "1", "train.py"], False),
-        (["--max-restarts", "0", "train.py"], ["--nproc-per-node", "1", "--max-restarts", "0", "train.py"], False),
-        (["--standalone", "--max-restarts=2", "train.py"],
-         ["--nproc-per-node", "1", "--standalone", "--max-restarts=2", "train.py"], False),
-        (["--master-port", "1234", "--max-restarts", "1", "train.py"],
-         ["--nproc-per-node", "1", "--master-port", "1234", "--max-restarts", "1", "train.py"], True),
-    ],
-)
-def test_restarts_get_a_fresh_rendezvous_store(argv, expected, warned, monkeypatch):
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    plan = launch.launch_plan(parse(argv))
-    assert plan.argv == expected
-    assert bool(plan.notes) == warned
-    assert all("static rendezvous" in note for note in plan.notes)
