@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
@@ -163,14 +164,14 @@ def _describe(store: Any, rank: int, rec: dict | None, group: str, seq: int) -> 
     return f"its process {who['pid']} is gone: rank {rank} died (see its own output)", False
 
 
-def dead_peers(world_size: int) -> list[tuple[int, int]]:
-    """(rank, pid) of every rank on this host whose process is gone, from the records of
-    `introduce`; bounded and best effort like the rest of the roll call ([] without a store)."""
+def dead_peers(ranks: Iterable[int]) -> list[tuple[int, int]]:
+    """(rank, pid) of each of `ranks` on this host whose process is gone, from the records
+    of `introduce`; bounded and best effort like the rest of the roll call ([] without a store)."""
     store = _store()
     if store is None:
         return []
     host, me, dead = socket.gethostname(), dist.get_rank(), []
-    for rank in range(world_size):
+    for rank in ranks:
         who = _read(store, _key("who", rank)) if rank != me else None
         if who is not None and who.get("host") == host and not _alive(int(who["pid"])):
             dead.append((rank, int(who["pid"])))

@@ -50,8 +50,12 @@ def stop_message(rank: int, world_size: int, where: str) -> str:
     """The line rank 0 writes when stopped (Note [naming the dead rank when torchrun stops the job])."""
     from meshspeed.comm import rollcall
 
+    # torchrun numbers a node's ranks contiguously: only this node's can be seen to be gone,
+    # and a store read per rank of a large job would hold up the stop
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    first = rank - int(os.environ.get("LOCAL_RANK", "0"))
     try:
-        dead = rollcall.dead_peers(world_size)
+        dead = rollcall.dead_peers(range(max(first, 0), min(first + local, world_size)))
     except Exception:  # noqa: BLE001 - best effort: the stop goes on regardless
         dead = []
     if dead:

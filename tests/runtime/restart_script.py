@@ -34,7 +34,7 @@ def train(out_dir: str, kill_at: int) -> None:
     model = GPT(TINY)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 1}, "comms_timeout": 30,
+              "zero_optimization": {"stage": 1}, "comms_timeout": 300,
               "checkpoint": {"auto_resume": True, "dir": os.path.join(out_dir, "ckpt")}}
     engine, _, loader, _ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 config=config, training_data=data)

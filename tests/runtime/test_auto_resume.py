@@ -58,7 +58,9 @@ def test_a_killed_rank_restarts_and_the_job_ends_as_if_never_interrupted(tmp_pat
     assert len(said) == 1, out[-4000:]
     assert re.search(r"rank 1 \(process \d+\) died", said[0]), said[0]
     assert "restart_script.py:" in said[0], said[0]  # where rank 0 was
-    assert seconds < 120, f"the restart took {seconds:.0f} s"
+    # both attempts, restart included, in less than the 300 s comms_timeout a hung rank 0
+    # would have waited: the survivor was stopped, not left to time out
+    assert seconds < 120, f"the run took {seconds:.0f} s"
 
     # attempt 0 ran up to the killed step; attempt 1 started at the last checkpoint before it
     steps = _steps(killed / "log-rank0.txt")
