@@ -4,8 +4,8 @@ Note [roll call]
 A timeout or a closed connection tells a rank only that it is waiting; which peer is
 missing, and why, is known to the peers. On such a failure a rank posts where it is (op,
 sequence number, group, call site) under its rank in the rendezvous store, which does not
-depend on the broken group's connections, waits up to GRACE_S for its peers' records and
-reads them:
+depend on the broken group's connections, waits up to GRACE_S for its peers' records (not
+for a peer on this host whose process is gone: it will never answer) and reads them:
 
 * a peer waiting in the same collective (same group, same sequence number) has arrived;
 * a peer in another collective is named with that collective;
@@ -129,7 +129,9 @@ def report(op: str, group_ranks: list[int], seq: int, site: str) -> str:
             if rec is not None and (rec.get("state") == "exited" or rec.get("group") != group
                                     or rec.get("seq") >= seq):
                 records[r] = rec
-        if len(records) == len(peers) or time.monotonic() > deadline:
+        # a peer whose process is gone will never answer: no need to wait the grace out
+        dead = {r for r, _ in dead_peers([r for r in peers if r not in records])}
+        if len(records) + len(dead) == len(peers) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     lines, missing = [], []
