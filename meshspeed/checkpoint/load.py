@@ -22,7 +22,7 @@ from meshspeed.checkpoint.agree import everywhere, same_everywhere
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
-from meshspeed.checkpoint.paths import CLIENT_TENSORS, resolve
+from meshspeed.checkpoint.paths import CLIENT_TENSORS, META, resolve
 from meshspeed.checkpoint.reshard import ReadPlan, SavedTensors, verify_files
 from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers, tp_layout
 from meshspeed.checkpoint.tp_ranges import logical_shape
@@ -148,14 +148,34 @@ def _load_loop_state(engine, meta: dict, store: SavedTensors, load_scheduler: bo
     c = meta["counters"]
     engine.global_steps, engine.micro_steps = c["global_steps"], c["micro_steps"]
     engine.global_samples, engine.skipped_steps = c["global_samples"], c["skipped_steps"]
-    sampler = getattr(engine.training_dataloader, "sampler", None)
-    epoch = meta["data"].get("sampler_epoch")
-    if epoch is not None and hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
+    _load_data_position(engine, meta["data"])
     mine = [r for r in meta["ranks"] if r["rank"] == comm.get_rank()]
     if mine and engine.config.checkpoint.load_rng_state:  # a new rank keeps its RNG state
         restore_rng(mine[0]["rng"], lambda key: store.read(mine[0]["file"], key))
     _load_rank_state(engine, meta, store, mine[0] if mine else None)
+
+
+def _load_data_position(engine, data: dict) -> None:
+    """The engine's loader continues where the saved run's was (Note [resuming the data
+    order]); at another data-parallel size or micro-batch size its batches are other
+    samples, so only the sampler's epoch is restored."""
+    loader = engine.training_dataloader
+    sampler = getattr(loader, "sampler", None)
+    position = data.get("loader")
+    same_batches = (data.get("dp_size") == engine.dp_world_size
+                    and data.get("micro_batch_size") == engine.train_micro_batch_size_per_gpu())
+    if position is not None and same_batches and callable(getattr(loader, "load_state_dict", None)):
+        loader.load_state_dict(position)
+        return
+    if position is not None and position["batches"] and loader is not None and comm.get_rank() == 0:
+        log.warning("the checkpoint's data loader had read %d batches of epoch %d at data-parallel "
+                    "size %s, micro-batch %s; at this run's sizes (%d, %d) those are other samples, so "
+                    "the loader starts the epoch from its beginning", position["batches"],
+                    position["epoch"], data.get("dp_size"), data.get("micro_batch_size"),
+                    engine.dp_world_size, engine.train_micro_batch_size_per_gpu())
+    epoch = data.get("sampler_epoch")
+    if epoch is not None and hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
 
 
 # Note [rank-local state]
@@ -189,8 +209,17 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     """Load a checkpoint saved at any data-parallel size and ZeRO stage.
 
     Collective. Returns `(checkpoint directory, client_state)`; errors (missing directory or
-    tag, corrupted file, different model) are raised as one-line CheckpointErrors."""
+    tag, corrupted file, different model) are raised as one-line CheckpointErrors. With
+    `checkpoint.auto_resume` and no tag, loads the newest complete checkpoint and returns
+    `(None, None)` when there is none yet (Note [what auto_resume loads], resume.py)."""
     pending.wait_for_pending(engine)
+    if tag is None and engine.config.checkpoint.auto_resume and not os.path.isfile(
+            os.path.join(os.fspath(load_dir), META)):
+        from meshspeed.checkpoint.resume import resume_tag
+
+        tag = resume_tag(load_dir)  # Note [what auto_resume loads]
+        if tag is None:
+            return None, None  # a first run: nothing to resume (DeepSpeed's return)
     path, meta = everywhere(_open, load_dir, tag)
     same_everywhere("checkpoint to load", os.path.abspath(path))
     slices = everywhere(ordered_slices, engine)

@@ -89,6 +89,8 @@ def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict
     loader = engine.training_dataloader
     sampler = getattr(loader, "sampler", None)
     epoch = getattr(sampler, "epoch", None)
+    # Note [resuming the data order] (meshspeed/data/loader.py): where the loader is
+    position = loader.state_dict() if callable(getattr(loader, "state_dict", None)) else None
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -109,7 +111,8 @@ def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict
                  "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
                  "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
                  "dp_size": engine.dp_world_size,
-                 "sampler_epoch": epoch if isinstance(epoch, int) else None},
+                 "sampler_epoch": epoch if isinstance(epoch, int) else None,
+                 "loader": position},
         "config": engine.config.to_dict(),
         "client_state": client_json,
         "client_tensors": client_keys,

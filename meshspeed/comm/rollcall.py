@@ -4,8 +4,8 @@ Note [roll call]
 A timeout or a closed connection tells a rank only that it is waiting; which peer is
 missing, and why, is known to the peers. On such a failure a rank posts where it is (op,
 sequence number, group, call site) under its rank in the rendezvous store, which does not
-depend on the broken group's connections, waits up to GRACE_S for its peers' records and
-reads them:
+depend on the broken group's connections, waits up to GRACE_S for its peers' records (not
+for a peer on this host whose process is gone: it will never answer) and reads them:
 
 * a peer waiting in the same collective (same group, same sequence number) has arrived;
 * a peer in another collective is named with that collective;
@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
@@ -51,7 +52,10 @@ def _store() -> Any:
 
 
 def _key(kind: str, rank: int) -> str:
-    return f"{_PREFIX}/{kind}/{rank}"
+    # torchrun's static rendezvous keeps one store across restarts of the group: a key of
+    # this attempt must not be read as a record of the previous one
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{_PREFIX}/{attempt}/{kind}/{rank}"
 
 
 def introduce() -> None:
@@ -125,7 +129,9 @@ def report(op: str, group_ranks: list[int], seq: int, site: str) -> str:
             if rec is not None and (rec.get("state") == "exited" or rec.get("group") != group
                                     or rec.get("seq") >= seq):
                 records[r] = rec
-        if len(records) == len(peers) or time.monotonic() > deadline:
+        # a peer whose process is gone will never answer: no need to wait the grace out
+        dead = {r for r, _ in dead_peers([r for r in peers if r not in records])}
+        if len(records) + len(dead) == len(peers) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     lines, missing = [], []
@@ -158,3 +164,17 @@ def _describe(store: Any, rank: int, rec: dict | None, group: str, seq: int) -> 
         return (f"did not answer within {GRACE_S:.0f} s; its process {who['pid']} is alive: it is "
                 "still computing, or waits outside any collective"), False
     return f"its process {who['pid']} is gone: rank {rank} died (see its own output)", False
+
+
+def dead_peers(ranks: Iterable[int]) -> list[tuple[int, int]]:
+    """(rank, pid) of each of `ranks` on this host whose process is gone, from the records
+    of `introduce`; bounded and best effort like the rest of the roll call ([] without a store)."""
+    store = _store()
+    if store is None:
+        return []
+    host, me, dead = socket.gethostname(), dist.get_rank(), []
+    for rank in ranks:
+        who = _read(store, _key("who", rank)) if rank != me else None
+        if who is not None and who.get("host") == host and not _alive(int(who["pid"])):
+            dead.append((rank, int(who["pid"])))
+    return dead

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import model_validator
+
 from meshspeed.config.base import CaseInsensitive, StrictModel
 
 
@@ -14,8 +16,25 @@ class CheckpointConfig(StrictModel):
     # meshspeed: load_checkpoint restores each rank's RNG states (dropout masks and data
     # order continue as if never interrupted); false keeps the current ones, as DeepSpeed does
     load_rng_state: bool = True
+    # meshspeed (DeepSpeed has no such key): a restarted job continues from its newest
+    # complete checkpoint by itself. With `dir`, initialize loads it; without, the script's
+    # own `engine.load_checkpoint(dir)` does, and finds nothing to load on the first run
+    # instead of failing (docs/failures.md, "Restarting after a failure").
+    auto_resume: bool = False
+    dir: str | None = None  # meshspeed: the directory the script saves to, read by auto_resume
     # What to do when ranks disagree on the checkpoint tag.
     tag_validation: CaseInsensitive("Ignore", "Warn", "Fail") = "Warn"  # type: ignore[valid-type]
     load_universal: bool = False  # load a universal (topology-free) checkpoint
     use_node_local_storage: bool = False  # each node writes to its own disk
     parallel_write: dict[str, Any] | None = None  # e.g. {"pipeline_stage": true}
+
+    @model_validator(mode="after")
+    def _dir_is_read_by_auto_resume(self):
+        # a directory nobody reads would look like a resume that silently never happens
+        if self.dir is not None and not self.auto_resume:
+            raise ValueError("dir is read only by auto_resume (it names where a restarted job "
+                             "resumes from); set auto_resume true or drop dir")
+        if self.dir is not None and not self.dir.strip():
+            raise ValueError("dir is empty; give the directory the script passes to "
+                             "save_checkpoint, or drop the key")
+        return self

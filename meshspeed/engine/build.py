@@ -7,7 +7,8 @@ axis;  5. precision: the module is cast to the compute dtype;  6. the sharding s
 (stage 0: data parallel; 1-3: ZeRO) takes the module and the mesh's data-parallel group,
 and only it;  7. optimizer over the strategy's master tensors;  8. LR schedule;
 9. data loader over data-parallel coordinates (all ranks of one tp group read the same
-samples).
+samples);  10. with `checkpoint.auto_resume` and `checkpoint.dir`, the newest complete
+checkpoint there is loaded (meshspeed/checkpoint/resume.py).
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def initialize(
         engine.attach_context(*context)
     if pipelined:
         engine.attach_tied(tied)
+    if cfg.checkpoint.auto_resume and cfg.checkpoint.dir is not None:
+        engine.load_checkpoint(cfg.checkpoint.dir)  # Note [what auto_resume loads]: None on a first run
     if comm.get_rank() == 0:
         log.info("meshspeed: ZeRO stage %d, %s, %s, micro batch %d x accumulation %d",
                  cfg.zero_stage, str(cfg.precision_dtype).replace("torch.", ""),

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from meshspeed.comm import rollcall, sequence
 from meshspeed.runtime.accelerator import Accelerator, get_accelerator
+from meshspeed.runtime.stopped import install_stop_report
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,25 @@ def first_slurm_host(nodelist: str) -> str | None:
     return re.sub(r"\[([^,\-\]]+)[^\]]*\]", r"\1", first)
 
 
+# Note [one store, several attempts]
+# Under torchrun the workers' rendezvous store is the agent's (TORCHELASTIC_USE_AGENT_STORE),
+# and it outlives the workers: with --max-restarts, the restarted group meets in the same
+# store, under the same keys, as the group that died. A restarted rank can then read its
+# peer's address from the dead attempt and fail to connect ("Gloo connectFullMesh failed
+# ... Connection refused"), ending the job at its first restart; on a busy 2-core machine
+# 4 restarts of 5 did with the static rendezvous, 1 of 4 with c10d (--standalone). So under the agent's
+# store, init_distributed connects to it itself and keeps each attempt's keys under
+# their own prefix (TORCHELASTIC_RESTART_COUNT).
+def _attempt_store(env, timeout: datetime.timedelta):
+    """The agent's store, under this attempt's prefix; None outside torchrun's agent store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.master_addr is None:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(str(env.master_addr), int(env.master_port), env.world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"meshspeed/attempt_{attempt}", store)
+
+
 def init_distributed(
     backend: str | None = None,
     timeout: datetime.timedelta | float = datetime.timedelta(minutes=5),
@@ -168,11 +188,17 @@ def init_distributed(
     backend = backend or accelerator.default_backend()
     if accelerator.name == "cuda":
         accelerator.set_device(env.local_rank)
-    dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=env.rank,
-                            world_size=env.world_size)
+    store = _attempt_store(env, timeout) if init_method is None else None
+    if store is not None:  # Note [one store, several attempts]
+        dist.init_process_group(backend, store=store, timeout=timeout, rank=env.rank,
+                                world_size=env.world_size)
+    else:
+        dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=env.rank,
+                                world_size=env.world_size)
     global _launch_env
     _launch_env = env
     rollcall.introduce()
+    install_stop_report()  # Note [naming the dead rank when torchrun stops the job]
     atexit.register(_shutdown)
     if verbose and env.rank == 0:
         logger.info("meshspeed: %s process group, %s", backend, env.describe())
