@@ -13,6 +13,7 @@ _COMMANDS = {
     "demo": ("meshspeed.demo", "train a small byte-level GPT on the Python stdlib source"),
     "estimate": ("meshspeed.planner.cli", "estimate memory per device for a ZeRO configuration"),
     "plan": ("meshspeed.planner.plan_cli", "rank parallel layouts by predicted step time and memory"),
+    "autotune": ("meshspeed.autotune.cli", "measure the best planned layouts on this machine, keep the fastest"),
     "convert": ("meshspeed.checkpoint.cli", "consolidate a sharded checkpoint into one file"),
     "aio-bench": ("meshspeed.offload.aio_bench", "measure the NVMe swap engine's bandwidth"),
     "pipeline-plot": ("meshspeed.parallel.pipeline.plot", "draw a pipeline schedule as executed (Gantt chart PNG)"),

@@ -2,7 +2,7 @@
 
 This is the one list to edit when a feature lands: delete the key here and add a typed
 field to the owning model. A key in this set is accepted together with everything inside
-it (so whole blocks such as `autotuning` take any content) and is named in a single
+it (so whole blocks such as `elasticity` take any content) and is named in a single
 log line at load time. Keys that neither DeepSpeed nor meshspeed knows stay errors.
 
 Paths are dotted from the top of the config: "zero_optimization.elastic_checkpoint".
@@ -14,7 +14,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
     {
         # --- top level: features and monitors meshspeed has no implementation of yet
         "amp",
-        "autotuning",
         "comet",
         "compile",
         "curriculum_learning",

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field, PrivateAttr, model_validator
 
 from meshspeed.config.activation import ActivationCheckpointingConfig
+from meshspeed.config.autotuning import AutotuningConfig
 from meshspeed.config.base import Int, NonNegFloat, PositiveFloat, PositiveInt, StrictModel
 from meshspeed.config.checkpoint import CheckpointConfig
 from meshspeed.config.comms import CommDtype, CommsLoggerConfig
@@ -69,6 +70,8 @@ class MeshspeedConfig(StrictModel):
     csv_monitor: FileMonitorConfig = Field(default_factory=FileMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # read by `meshspeed autotune` / `meshspeed run --autotuning`, not by the engine
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig

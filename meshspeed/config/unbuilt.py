@@ -77,7 +77,6 @@ MONITORS: dict[str, str] = {
     "timers": "torch.profiler",
     "memory_breakdown": "engine.memory_breakdown()",
     "nebula": "checkpoint.async_save",
-    "autotuning": "`meshspeed estimate` for memory",
     "eigenvalue": "nothing yet",
 }
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.autotune.hooks import start_probe
 from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.config.no_effect import report_no_effect
 from meshspeed.engine.engine import MeshspeedEngine
@@ -75,6 +76,7 @@ def initialize(
     """Returns `(engine, optimizer, dataloader, lr_scheduler)`, as DeepSpeed does."""
     if model is None:
         raise ValueError("initialize() needs model=<your nn.Module>")
+    probe = start_probe(model)  # `meshspeed autotune`'s probe run: the model's facts, then exit
     if config is None:
         config = config_params
         for attr in ("deepspeed_config", "deepscale_config"):  # DeepSpeed's argparse flags
@@ -141,6 +143,8 @@ def initialize(
         scaler=build_scaler(cfg.fp16), topology=topology, dataloader=loader,
         comm_logger=comm_logger, device=device,
     )
+    if probe is not None:
+        probe.watch(module)  # the first forward gives the sequence length and ends the probe
     if context is not None:
         engine.attach_context(*context)
     if pipelined:

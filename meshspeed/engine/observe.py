@@ -14,6 +14,7 @@ import contextlib
 import logging
 
 from meshspeed import comm
+from meshspeed.autotune.hooks import step_clock_from_env
 from meshspeed.monitor.monitor import Monitor
 from meshspeed.monitor.step_events import StepFigures, count_tokens
 from meshspeed.profiling.flops_profiler import FlopsProfiler
@@ -37,6 +38,7 @@ class StepObserver:
         self.profiler: FlopsProfiler | None = None
         self.last_profile: str | None = None  # rank 0: the printed profile
         self.profile_figures: dict | None = None  # every rank: totals of the profiled step
+        self.clock = step_clock_from_env()  # an autotuner trial's timed steps (autotune/hooks.py)
 
     @contextlib.contextmanager
     def phase(self, name: str, inputs: tuple = ()):
@@ -88,6 +90,8 @@ class StepObserver:
         if self.figures is not None:
             events = self.figures.events(engine)  # every rank: gathers the memory figures
             self.monitor.write_events(events)  # rank 0's writers; none on other ranks
+        if self.clock is not None:
+            self.clock.after_step(engine)
 
     def _finish_profile(self, rank: int) -> None:
         prof, cfg = self.profiler, self.flops
