@@ -98,9 +98,13 @@ def run_job(script: str, script_args: list[str], nproc: int, env: dict[str, str]
     whole group is killed at the timeout."""
     cmd = [sys.executable, "-m", "meshspeed.cli", "run", "--nproc_per_node", str(nproc),
            script, *script_args]
+    # the jobs import the meshspeed this tuner runs from, whatever the working directory
+    home = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(filter(None, [home, os.environ.get("PYTHONPATH")]))
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env, "PYTHONPATH": path},
                                 start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout or None)

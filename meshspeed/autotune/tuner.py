@@ -98,7 +98,7 @@ def autotune(script: str, script_args: list[str], *, config: str | None = None, 
     trials, best, since = [], None, 0
     for i, ch in enumerate(choices):
         if since >= tune.tuner_early_stopping:  # no better layout in the last trials: stop
-            t = Trial(f"trial{i + 1}_{ch.candidate.label()}", ch.candidate.label(), space.layout_keys(ch),
+            t = Trial(_name(i, ch), ch.candidate.label(), space.layout_keys(ch),
                       ch.step_time, ch.memory["total"], status="skipped",
                       reason=f"early stopping: {since} trials without a better one")
             trials.append(t)
@@ -120,13 +120,14 @@ def autotune(script: str, script_args: list[str], *, config: str | None = None, 
         (results_dir / "best_config.json").unlink(missing_ok=True)
     text = write(results_dir, trials, best, tune.metric, {**facts, "seq_len": int(seq)})
     print(text, flush=True)
-    return {"best": best, "trials": trials, "best_config": best.config if best else None, "table": text}
+    return {"best": best, "trials": trials, "best_config": best.config if best else None, "table": text,
+            "results_dir": str(results_dir)}
 
 
 def _measure(i, choice, user, script, script_args, tune, nproc, exps, start, end, timeout, seq, flops_per_token):
     keys = space.layout_keys(choice)
     cfg = space.trial_config(user, keys)
-    t = Trial(f"trial{i + 1}_{choice.candidate.label()}", choice.candidate.label(), keys,
+    t = Trial(_name(i, choice), choice.candidate.label(), keys,
               choice.step_time, choice.memory["total"], config=cfg)
     folder = exps / t.name
     folder.mkdir()
@@ -149,3 +150,7 @@ def _measure(i, choice, user, script, script_args, tune, nproc, exps, start, end
     t.tokens_per_second = t.samples_per_second * seq
     t.flops_per_second = t.tokens_per_second * flops_per_token(seq, recompute=choice.candidate.checkpointing)
     return t
+
+
+def _name(i: int, choice) -> str:
+    return f"trial{i + 1}_" + choice.candidate.label().replace(" ", "_")

@@ -30,7 +30,7 @@ UNSUPPORTED = {
                   "(meshspeed.init_distributed reads their environment)",
     "--force_multi": "meshspeed run does not start processes on other hosts",
     "--ssh_port": "meshspeed run does not use ssh",
-    "--autotuning": "autotuning is not available in meshspeed",
+    "--autotuning": "`meshspeed run` tunes before launching; launch_plan takes no tuning",
     "--elastic_training": "use torchrun's own options (--nnodes MIN:MAX, --max-restarts)",
 }
 

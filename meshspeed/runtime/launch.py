@@ -230,6 +230,37 @@ def _launch_environment(env: dict[str, str], compat: bool):
             shutil.rmtree(shim_dir, ignore_errors=True)
 
 
+def _autotune_first(args: argparse.Namespace) -> int | None:
+    """The deepspeed launcher's `--autotuning tune|run`: tune the script first
+    (meshspeed/autotune, docs/autotune.md); `tune` stops there, `run` then launches the
+    script with best_config.json in place of its config argument. None: launch now."""
+    mode = getattr(args, "autotuning", None)
+    if mode is None:
+        return None
+    args.autotuning = None
+    if mode not in ("tune", "run"):
+        print(f"meshspeed run: --autotuning takes 'tune' or 'run', got {mode!r}", file=sys.stderr)
+        return 2
+    from meshspeed.autotune.trial import TuneError, substitute
+    from meshspeed.autotune.tuner import autotune
+    from meshspeed.config import ConfigError
+
+    script, script_args = args.script[0], args.script[1:]
+    nproc = args.nproc_per_node or args.num_gpus or 1
+    try:
+        out = autotune(script, script_args, nproc=int(nproc))
+    except (TuneError, ConfigError, ValueError) as err:
+        print(f"meshspeed run --autotuning: {err}", file=sys.stderr)
+        return 2
+    if out["best"] is None:
+        return 1
+    if mode == "tune":
+        return 0
+    best = os.path.join(out["results_dir"], "best_config.json")
+    args.script = [script, *substitute(script_args, best, out["best_config"], {})]
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     if not args.script:
         print("meshspeed run: missing the training script (meshspeed run [options] "
@@ -239,6 +270,9 @@ def main(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    tuned = _autotune_first(args)
+    if tuned is not None:
+        return tuned
     try:
         launch = launch_plan(args)
     except LaunchError as err:

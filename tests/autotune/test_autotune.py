@@ -36,6 +36,8 @@ SCRIPT = textwrap.dedent('''
             loss = engine(x, x)
             engine.backward(loss)
             engine.step()
+    if engine.global_rank == 0:  # which config the finished run used
+        open(args.deepspeed_config + ".ran", "w").write("done")
 ''')
 
 
@@ -78,6 +80,22 @@ def test_tune_two_ranks_crash_recorded_best_is_fastest(tmp_path):
     assert summary["best"] == fastest.name and summary["model"]["seq_len"] == 16
     assert [t["status"] for t in summary["trials"]] == [t.status for t in trials]
     assert "refuses ZeRO stage 1" in (tmp_path / "res" / "summary.md").read_text()
+
+
+def test_run_autotuning_run_tunes_then_launches_best(tmp_path, monkeypatch):
+    # DeepSpeed's launcher flag: tune (one trial, one rank), then train with best_config.json
+    from meshspeed.cli import main
+
+    script, args = _setup(tmp_path, autotuning={"tuner_num_trials": 1})
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--autotuning", "run", "--nproc_per_node", "1", script, *args, "--steps", "3"]) == 0
+    best = tmp_path / "autotuning_results" / "best_config.json"
+    summary = json.loads((tmp_path / "autotuning_results" / "summary.json").read_text())
+    assert [t["status"] for t in summary["trials"]] == ["ok"]
+    assert json.loads(best.read_text())["train_batch_size"] == 8
+    assert (tmp_path / "autotuning_results" / "best_config.json.ran").is_file()  # the launch used it
+    assert not (tmp_path / "ds.json.ran").exists()
+    assert main(["run", "--autotuning", "sweep", script, *args]) == 2
 
 
 def test_unknown_autotuning_key_refused_with_suggestion():
