@@ -52,12 +52,14 @@ def _setup(tmp_path, crash_stage=-1, autotuning=None):
 
 
 def test_tune_two_ranks_crash_recorded_best_is_fastest(tmp_path):
-    # Stage 1 crashes in this script: the planner's top 3 here (measured: stages 0-2 at
-    # micro-batches 4 and 2) include it, so the search must record it and go on.
-    script, args = _setup(tmp_path, crash_stage=1)
+    # Stage 1 crashes in this script. Micro-batches are held at 4, so the candidates are
+    # ZeRO stages 0-3 at 4 x 1 and the top 3 include stage 1 (stage 3, with the most
+    # traffic, is predicted slowest): the search must record it and go on.
+    script, args = _setup(tmp_path, crash_stage=1, autotuning={
+        "min_train_micro_batch_size_per_gpu": 4, "max_train_micro_batch_size_per_gpu": 4})
     out = autotune(script, args, nproc=2, top_k=3, timeout=120, results=str(tmp_path / "res"))
     trials = out["trials"]
-    assert len(trials) == 3
+    assert len(trials) == 3 and {t.keys["train_micro_batch_size_per_gpu"] for t in trials} == {4}
     crashed = [t for t in trials if t.keys["zero_optimization.stage"] == 1]
     ok = [t for t in trials if t.status == "ok"]
     assert crashed and all(t.status == "failed" and "refuses ZeRO stage 1" in t.reason for t in crashed)
@@ -121,3 +123,15 @@ def test_config_argument_substitution():
 def test_no_config_is_one_sentence(tmp_path):
     with pytest.raises(TuneError, match="no config"):
         autotune(str(tmp_path / "x.py"), ["--lr", "1"])
+
+
+def test_timeout_and_out_of_memory_reasons(tmp_path):
+    from meshspeed.autotune.trial import _reason, run_job
+
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    result = run_job(str(script), [], 1, {}, tmp_path / "log.txt", timeout=5)
+    assert not result.ok and result.reason == "timed out after 5 s" and result.seconds < 60
+    log = "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
+    assert _reason(1, log) == "out of memory (exit 1)"
+    assert _reason(1, "x\nValueError: bad micro-batch\n") == "exit 1: ValueError: bad micro-batch"
