@@ -71,8 +71,9 @@ def autotune(script: str, script_args: list[str], *, config: str | None = None, 
         raise TuneError(f"{results_dir} already holds a summary and autotuning.overwrite is false; "
                         "move it or set overwrite true")
     exps = results_dir / tune.exps_dir if not Path(tune.exps_dir).is_absolute() else Path(tune.exps_dir)
-    shutil.rmtree(exps, ignore_errors=True)
-    exps.mkdir(parents=True)
+    exps.mkdir(parents=True, exist_ok=True)
+    for old in [*exps.glob("trial*"), *exps.glob("probe*")]:  # only what an earlier search wrote
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
     facts = _probe(script, script_args, user, exps, timeout) if model is None else {
         "model_config": json.loads(Path(model).read_text()), "seq_len": None}
