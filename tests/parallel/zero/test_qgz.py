@@ -15,6 +15,7 @@ from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.parallel.access import safe_get_full_fp32_param
 from meshspeed.parallel.zero.qgz import GRAD_BLOCK, GradientExchange
 from meshspeed.testing import run_distributed
+from tests.parallel.zero.corpus import train_and_hold_out
 
 
 def test_config_takes_the_key_at_stages_2_and_3_and_refuses_it_below():
@@ -105,30 +106,13 @@ def test_each_unit_reduction_is_one_all_to_all_of_int4_shards(stage, precision, 
 
 
 TRAIN_CFG = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=2, d_model=64)
-HELD_OUT = 64
 
 
 def _train(stage, qgz, steps):
     """Per-step losses, the held-out loss, and every parameter's full fp32 master."""
     engine = _engine(stage, qgz, "bf16", model=TRAIN_CFG, lr=1e-3, micro=4)
-    from meshspeed.data import ByteWindows, stdlib_corpus
-
-    data = ByteWindows(stdlib_corpus(max_bytes=400_000), seq_len=32)
-    train = len(data) - HELD_OUT
-
-    def batch(indices):
-        return (torch.stack(t) for t in zip(*(data[i] for i in indices)))
-
-    losses = []
-    for step in range(steps):
-        loss = engine(*batch([(step * 8 + 4 * comm.get_rank() + i) * 97 % train for i in range(4)]))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses, held = train_and_hold_out(engine, steps, micro=4, seq=32)
     masters = {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
-    engine.eval()
-    with torch.no_grad():
-        held = engine(*batch(range(train, len(data)))).item()
     return losses, held, masters
 
 

@@ -15,6 +15,7 @@ from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.parallel.access import safe_get_full_fp32_param
 from meshspeed.parallel.zero.qwz import BLOCK, QMAX, BlockQuantizer
 from meshspeed.testing import run_distributed
+from tests.parallel.zero.corpus import train_and_hold_out
 
 
 def _values(n, seed=0):
@@ -174,31 +175,11 @@ def test_training_gathers_are_quantized_and_a_user_gather_is_exact():
 TRAIN_CFG = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=2, d_model=64)
 
 
-HELD_OUT = 64  # windows at the end of the corpus, never trained on
-
-
 def _train(qwz, steps):
     """Per-step training losses, then the loss on the held-out windows (the same on every
     rank and in both runs)."""
     engine = _engine(qwz, "bf16", model=TRAIN_CFG, lr=1e-3, micro=4)
-    from meshspeed.data import ByteWindows, stdlib_corpus
-
-    data = ByteWindows(stdlib_corpus(max_bytes=400_000), seq_len=32)
-    train = len(data) - HELD_OUT
-
-    def batch(indices):
-        return (torch.stack(t) for t in zip(*(data[i] for i in indices)))
-
-    losses = []
-    for step in range(steps):
-        loss = engine(*batch([(step * 8 + 4 * comm.get_rank() + i) * 97 % train for i in range(4)]))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    engine.eval()
-    with torch.no_grad():
-        held = engine(*batch(range(train, len(data)))).item()
-    return losses, held
+    return train_and_hold_out(engine, steps, micro=4, seq=32)
 
 
 def test_training_follows_plain_stage_3():

@@ -7,13 +7,12 @@ import os
 import torch
 
 import meshspeed
-from meshspeed import comm
 from meshspeed.demo import DEMO_MODEL
 from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.testing import run_distributed
+from tests.parallel.zero.corpus import train_and_hold_out
 
 WORLD, NODE, STEPS, MICRO, SEQ = 4, 2, 200, 4, 64
-HELD_OUT = 64  # windows at the end of the corpus, never trained on
 OPTIONS = {
     "plain": {},
     "qwZ": {"zero_quantized_weights": True},
@@ -25,25 +24,17 @@ OPTIONS = {
 
 def _train(names):
     """For each option: per-step losses and the held-out loss (the same data everywhere)."""
-    from meshspeed.data import ByteWindows, stdlib_corpus
-
-    data = ByteWindows(stdlib_corpus(max_bytes=400_000), seq_len=SEQ)
-    train = len(data) - HELD_OUT
-
-    def batch(indices):
-        return (torch.stack(t) for t in zip(*(data[i] for i in indices)))
-
     out, before = {}, os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = str(NODE)  # read by initialize; the worker is reused: restored
     try:
         for name in names:
-            out[name] = _one(name, data, train, batch)
+            out[name] = _one(name)
     finally:
         os.environ["LOCAL_WORLD_SIZE"] = before
     return out
 
 
-def _one(name, data, train, batch):
+def _one(name):
     """Per-step losses and the held-out loss of one option."""
     torch.manual_seed(0)
     net = GPT(GPTConfig(**{**DEMO_MODEL, "max_seq_len": SEQ}))
@@ -51,18 +42,9 @@ def _one(name, data, train, batch):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 3, **OPTIONS[name]}}
     engine, *_ = meshspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
-    losses = []
-    for step in range(STEPS):
-        first = step * WORLD * MICRO + comm.get_rank() * MICRO
-        loss = engine(*batch([(first + i) * 97 % train for i in range(MICRO)]))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    engine.eval()
-    with torch.no_grad():
-        held = engine(*batch(range(train, len(data)))).item()
+    result = train_and_hold_out(engine, STEPS, micro=MICRO, seq=SEQ)
     engine.destroy()
-    return losses, held
+    return result
 
 
 def test_each_option_and_all_three_follow_plain_stage_3():
