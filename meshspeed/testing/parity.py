@@ -149,13 +149,17 @@ def make_batches(setup: ParitySetup, seed: int = 1234) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=g)
 
 
-def reference_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain PyTorch: mean loss over the whole global batch per step."""
+def reference_run(setup: ParitySetup, optimizer_cls: type | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, plain PyTorch: mean loss over the whole global batch per step.
+    `optimizer_cls`: built with the engine config's optimizer params instead of torch's
+    SGD / AdamW (e.g. OneBitAdam, which alone on one process is its uncompressed self)."""
     model = build_model(setup)
     params = [p for p in model.parameters() if p.requires_grad]
-    block = setup.optimizer_block()
-    cls = torch.optim.SGD if block["type"] == "SGD" else torch.optim.AdamW
-    opt = cls(params, **block["params"])
+    if optimizer_cls is None:
+        block = setup.optimizer_block()
+        opt = (torch.optim.SGD if block["type"] == "SGD" else torch.optim.AdamW)(params, **block["params"])
+    else:
+        opt = optimizer_cls(params, **setup.ds_config()["optimizer"]["params"])
     losses = []
     for batch in make_batches(setup):
         tokens = batch.reshape(-1, setup.seq + 1)
@@ -178,6 +182,23 @@ def engine_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]
     if setup.pp > 1:
         return train_batches(engine, setup), pipeline_state_dict(engine)
     return train_steps(engine, setup), full_state_dict(engine)
+
+
+def counted_steps(engine, setup: ParitySetup) -> tuple[list[dict[str, int]], list[float]]:
+    """One engine step per global batch on this rank's rows: per step the bytes moved by
+    collective kind (CommCounter), and the losses."""
+    from meshspeed import comm
+
+    rows = slice(comm.get_rank() * setup.micro, (comm.get_rank() + 1) * setup.micro)
+    per_step, losses = [], []
+    for batch in make_batches(setup):
+        with comm.CommCounter() as counter:
+            loss = model_loss(setup, engine, batch[0][rows])
+            engine.backward(loss)
+            engine.step()
+        per_step.append({op: s["bytes"] for op, s in counter.summary().items()})
+        losses.append(loss.item())
+    return per_step, losses
 
 
 def train_batches(engine, setup: ParitySetup, first: int = 0, last: int | None = None) -> list[float]:

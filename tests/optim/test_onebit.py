@@ -22,10 +22,12 @@ from meshspeed.testing.parity import (
     ParitySetup,
     assert_close_parity,
     build_model,
+    counted_steps,
     engine_run,
     full_state_dict,
     make_batches,
     model_loss,
+    reference_run,
 )
 
 
@@ -36,25 +38,11 @@ def _setup(world: int, freeze_step: int, steps: int, **params) -> ParitySetup:
     return ParitySetup(world=world, steps=steps, clip=0.0, extra_config={"optimizer": block})
 
 
-def _reference(setup: ParitySetup):
-    """One process (world 1: no compression) on the whole global batch of each step."""
-    model = build_model(setup)
-    opt = OneBitAdam(model.parameters(), **{k: v for k, v in setup.extra_config["optimizer"]["params"].items()})
-    losses = []
-    for batch in make_batches(setup):
-        loss = model_loss(setup, model, batch.reshape(-1, setup.seq + 1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_warm_up_is_adam_over_the_fp32_all_reduce(world):
     setup = _setup(world, freeze_step=100, steps=6)
     got = run_distributed(engine_run, world, args=(setup,))
-    assert_close_parity(_reference(setup), got[0])
+    assert_close_parity(reference_run(setup, OneBitAdam), got[0])
 
 
 def _compressed_run(setup: ParitySetup):
@@ -62,16 +50,7 @@ def _compressed_run(setup: ParitySetup):
 
     model = build_model(setup)
     engine, opt, *_ = meshspeed.initialize(model=model, config=copy.deepcopy(setup.ds_config()))
-    rank = comm.get_rank()
-    rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
-    per_step, losses = [], []
-    for batch in make_batches(setup):
-        with comm.CommCounter() as counter:
-            loss = model_loss(setup, engine, batch[0][rows])
-            engine.backward(loss)
-            engine.step()
-        per_step.append({op: s["bytes"] for op, s in counter.summary().items()})
-        losses.append(loss.item())
+    per_step, losses = counted_steps(engine, setup)
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]
     return per_step, losses, full_state_dict(engine), sizes, opt.steps_taken()
 

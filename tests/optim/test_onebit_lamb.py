@@ -19,10 +19,10 @@ from meshspeed.testing.parity import (
     ParitySetup,
     assert_close_parity,
     build_model,
+    counted_steps,
     engine_run,
     full_state_dict,
-    make_batches,
-    model_loss,
+    reference_run,
 )
 
 
@@ -34,17 +34,7 @@ def _setup(freeze_step: int, steps: int) -> ParitySetup:
 
 def test_warm_up_is_lamb_over_the_fp32_all_reduce():
     setup = _setup(100, 6)
-    model = build_model(setup)
-    opt = OneBitLamb(model.parameters(), **setup.extra_config["optimizer"]["params"])
-    losses = []
-    for batch in make_batches(setup):
-        loss = model_loss(setup, model, batch.reshape(-1, setup.seq + 1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    reference = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    assert_close_parity(reference, run_distributed(engine_run, 2, args=(setup,))[0])
+    assert_close_parity(reference_run(setup, OneBitLamb), run_distributed(engine_run, 2, args=(setup,))[0])
 
 
 def _run(setup: ParitySetup):
@@ -52,13 +42,7 @@ def _run(setup: ParitySetup):
 
     model = build_model(setup)
     engine, *_ = meshspeed.initialize(model=model, config=copy.deepcopy(setup.ds_config()))
-    rows = slice(comm.get_rank() * setup.micro, (comm.get_rank() + 1) * setup.micro)
-    per_step = []
-    for batch in make_batches(setup):
-        with comm.CommCounter() as counter:
-            engine.backward(model_loss(setup, engine, batch[0][rows]))
-            engine.step()
-        per_step.append({op: s["bytes"] for op, s in counter.summary().items()})
+    per_step, _ = counted_steps(engine, setup)
     return per_step, full_state_dict(engine), sum(p.numel() for p in model.parameters())
 
 

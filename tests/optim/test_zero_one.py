@@ -21,10 +21,10 @@ from meshspeed.testing.parity import (
     ParitySetup,
     assert_close_parity,
     build_model,
+    counted_steps,
     engine_run,
     full_state_dict,
-    make_batches,
-    model_loss,
+    reference_run,
 )
 
 SCHEDULE = {"var_freeze_step": 6, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4}
@@ -44,17 +44,7 @@ def _setup(steps: int, **params) -> ParitySetup:
 
 def test_full_steps_only_match_one_process():
     setup = _setup(6, var_freeze_step=100, var_update_scaler=100)
-    model = build_model(setup)
-    opt = ZeroOneAdam(model.parameters(), **setup.extra_config["optimizer"]["params"])
-    losses = []
-    for batch in make_batches(setup):
-        loss = model_loss(setup, model, batch.reshape(-1, setup.seq + 1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    reference = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    assert_close_parity(reference, run_distributed(engine_run, 2, args=(setup,))[0])
+    assert_close_parity(reference_run(setup, ZeroOneAdam), run_distributed(engine_run, 2, args=(setup,))[0])
 
 
 def _run(setup: ParitySetup):
@@ -62,13 +52,7 @@ def _run(setup: ParitySetup):
 
     model = build_model(setup)
     engine, *_ = meshspeed.initialize(model=model, config=copy.deepcopy(setup.ds_config()))
-    rows = slice(comm.get_rank() * setup.micro, (comm.get_rank() + 1) * setup.micro)
-    per_step = []
-    for batch in make_batches(setup):
-        with comm.CommCounter() as counter:
-            engine.backward(model_loss(setup, engine, batch[0][rows]))
-            engine.step()
-        per_step.append({op: s["bytes"] for op, s in counter.summary().items()})
+    per_step, _ = counted_steps(engine, setup)
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]
     return per_step, full_state_dict(engine), sizes
 
