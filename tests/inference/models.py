@@ -4,6 +4,7 @@ grouped-query attention (2 kv heads for 4 query heads). Call under a fixed torch
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 FAMILIES = ("gpt", "gpt2", "llama")
@@ -43,3 +44,13 @@ def forward_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """(T, vocab) fp32 logits of the model's plain forward on one sequence."""
     out = model(ids[None])
     return (out if isinstance(out, torch.Tensor) else out.logits)[0].float()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny GEMMs: extra intra-op threads only contend (HF generate ran 100x slower with
+    them on a loaded 2-core machine). Use as `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from tests.inference.models import one_thread  # noqa: F401 - the fixture, by name
+
 transformers = pytest.importorskip("transformers")
 
 from meshspeed.inference.quant import (
@@ -66,14 +68,7 @@ def llama():
 BUILDERS = {"gpt2": gpt2, "llama": llama}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny GEMMs: extra intra-op threads only contend (HF generate ran 100x slower with
-    # them on a loaded 2-core machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(n: int = 8) -> torch.Tensor:

@@ -26,6 +26,7 @@ from meshspeed.inference.zero_inference import (
 from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.offload.hostmem import ALIGN, round_up
 from meshspeed.testing import run_distributed
+from tests.inference.models import one_thread  # noqa: F401 - the fixture, by name
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,12 +34,7 @@ FAMILIES = ("gpt2", "llama", "gpt")
 NEW_TOKENS = 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _build(family: str, n_layer: int = 2) -> torch.nn.Module:
