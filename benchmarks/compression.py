@@ -142,7 +142,7 @@ def rank_main(rank: int, name: str, args, port: int, out_file: str) -> None:
         import meshspeed
         from meshspeed.comm import counter as cc
         from meshspeed.models.gpt import GPT
-        from meshspeed.runtime.accelerator import _peak_rss_bytes
+        from meshspeed.process.accelerator import _peak_rss_bytes
         from meshspeed.testing.slow_comm import SlowLink
 
         torch.manual_seed(0)

@@ -175,7 +175,7 @@ def worker(args) -> dict:
         import meshspeed as lib  # import meshspeed as deepspeed
         import meshspeed.engine.build  # (code is not model memory: loaded before the baseline)
         import meshspeed.offload
-        from meshspeed.runtime.distributed import init_distributed
+        from meshspeed.process.distributed import init_distributed
 
         out["version"] = getattr(lib, "__version__", "?")
         init_distributed()

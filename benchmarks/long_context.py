@@ -28,7 +28,7 @@ the optimizer's temporaries). Both are taken on the first step at S after one st
 
 Note [malloc for memory measurements]
 meshspeed fixes glibc's mmap threshold at 4 MiB (Note [a fixed mmap threshold for CPU
-training] in meshspeed/runtime/malloc.py): smaller blocks come from glibc's heap, which
+training] in meshspeed/process/malloc.py): smaller blocks come from glibc's heap, which
 keeps freed blocks resident, so one step's RSS growth would depend on what earlier steps
 left there. For the memory step and the search the ranks set the threshold to 128 KiB and
 return the free heap (`mallopt`, `malloc_trim`): every block of 128 KiB or more is then

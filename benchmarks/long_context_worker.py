@@ -244,7 +244,7 @@ def set_mmap_threshold(nbytes: int) -> None:
 
 
 def meshspeed_mmap_threshold() -> int:
-    from meshspeed.runtime.malloc import DEFAULT_MMAP_THRESHOLD
+    from meshspeed.process.malloc import DEFAULT_MMAP_THRESHOLD
 
     return int(os.environ.get("MESHSPEED_MMAP_THRESHOLD", DEFAULT_MMAP_THRESHOLD))
 

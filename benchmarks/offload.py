@@ -44,7 +44,7 @@ def measure(mode: str, nvme_path: str, steps: int, sub_group_size: int) -> dict:
     import meshspeed
     from meshspeed import comm
     from meshspeed.models.gpt import GPT, GPTConfig
-    from meshspeed.runtime.accelerator import _rss_bytes, get_accelerator
+    from meshspeed.process.accelerator import _rss_bytes, get_accelerator
 
     acc = get_accelerator("cpu")
     gc.collect()

@@ -54,7 +54,7 @@ process, which writes the report (for DeepSpeed, through the worker process of N
 Note [what counts as model state]
 Bytes of parameters (master weights included), gradients and optimizer state resident on a
 rank, counted from the tensors themselves (each storage once,
-`meshspeed.engine.memory.count_bytes`), taken after the backward and before the optimizer
+`meshspeed.parallel.memory.count_bytes`), taken after the backward and before the optimizer
 step of one extra, untimed step: the moment all three exist. meshspeed reports its own
 (`engine.memory_breakdown()`; stage-3 gathered parameters are released by then). For DDP and
 FSDP2 we count `p`, `p.grad` and the optimizer state, through `.to_local()` for FSDP2's
@@ -368,7 +368,7 @@ def find_deepspeed_python(explicit: str | None = None) -> tuple[str | None, str]
         if r.returncode != 0 or not r.stdout.strip():
             return None, f"{ANCHOR_VENV_SCRIPT.name} failed: {_tail(r.stderr, 3) or r.returncode}"
         python = r.stdout.strip().splitlines()[-1]
-    probe = ("import deepspeed, meshspeed.models.gpt, meshspeed.data.corpus, meshspeed.engine.memory; "
+    probe = ("import deepspeed, meshspeed.models.gpt, meshspeed.data.corpus, meshspeed.parallel.memory; "
              "print('deepspeed', deepspeed.__version__)")
     try:
         r = subprocess.run([python, "-c", probe], env=_worker_env(), capture_output=True, text=True,

@@ -119,7 +119,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def torch_state_bytes(model, optimizer) -> dict[str, int]:
-    from meshspeed.engine.memory import count_bytes, optimizer_state_tensors
+    from meshspeed.parallel.memory import count_bytes, optimizer_state_tensors
 
     params = list(model.parameters())
     counted = count_bytes({
@@ -177,7 +177,7 @@ class MasterWeightsDDP(TorchTrainer):
         self.opt.zero_grad(set_to_none=True)
 
     def state_bytes(self):
-        from meshspeed.engine.memory import count_bytes, optimizer_state_tensors
+        from meshspeed.parallel.memory import count_bytes, optimizer_state_tensors
 
         masters = list(self.master_of.values())
         counted = count_bytes({
@@ -270,7 +270,7 @@ def deepspeed_state_bytes(engine) -> dict[str, int]:
     - optimizer_state: the wrapped torch optimizer's state;
     - comm_buffers: the stage-3 reduce bucket (allocated at reduce_bucket_size, 5e8 elements,
       with torch.empty: its storage is counted whole, though only touched pages reach RSS)."""
-    from meshspeed.engine.memory import count_bytes, optimizer_state_tensors
+    from meshspeed.parallel.memory import count_bytes, optimizer_state_tensors
 
     opt = engine.optimizer
     module_params = [p.detach() for p in engine.module.parameters()]

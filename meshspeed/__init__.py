@@ -11,12 +11,16 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+from meshspeed.compat.paths import install_meshspeed_names  # noqa: E402
+
+install_meshspeed_names()  # Note [DeepSpeed's paths]: meshspeed.zero, meshspeed.runtime, ...
+
 # public name -> (module, attribute)
 _LAZY = {
     "initialize": ("meshspeed.engine.build", "initialize"),
     "MeshspeedEngine": ("meshspeed.engine.engine", "MeshspeedEngine"),
     "DeepSpeedEngine": ("meshspeed.engine.engine", "MeshspeedEngine"),
-    "init_distributed": ("meshspeed.runtime.distributed", "init_distributed"),
+    "init_distributed": ("meshspeed.process.distributed", "init_distributed"),
     "ConfigError": ("meshspeed.config.errors", "ConfigError"),
     "DivergenceError": ("meshspeed.engine.agreement", "DivergenceError"),
     "estimate_memory": ("meshspeed.planner.estimate", "estimate_memory"),
@@ -31,7 +35,7 @@ _LAZY = {
     "accelerator": ("meshspeed.accelerator", None),
     "utils": ("meshspeed.utils", None),
     "add_config_arguments": ("meshspeed.arguments", "add_config_arguments"),
-    "get_accelerator": ("meshspeed.runtime.accelerator", "get_accelerator"),
+    "get_accelerator": ("meshspeed.process.accelerator", "get_accelerator"),
     # DeepSpeed's other top-level names and the packages scripts reach as attributes
     # (`deepspeed.runtime.utils.set_random_seed`, `deepspeed.moe.layer.MoE`)
     "PipelineModule": ("meshspeed.pipe", "PipelineModule"),

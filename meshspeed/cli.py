@@ -8,15 +8,15 @@ import sys
 
 # subcommand -> (module, help). Each module defines `add_arguments(parser)` and `main(args)`.
 _COMMANDS = {
-    "run": ("meshspeed.runtime.launch", "launch a training script on N processes (wraps torchrun)"),
-    "env": ("meshspeed.runtime.env_report", "report versions, accelerator, backends, features"),
+    "run": ("meshspeed.launcher.launch", "launch a training script on N processes (wraps torchrun)"),
+    "env": ("meshspeed.launcher.env_report", "report versions, accelerator, backends, features"),
     "demo": ("meshspeed.demo", "train a small byte-level GPT on the Python stdlib source"),
     "estimate": ("meshspeed.planner.cli", "estimate memory per device for a ZeRO configuration"),
     "plan": ("meshspeed.planner.plan_cli", "rank parallel layouts by predicted step time and memory"),
     "autotune": ("meshspeed.autotune.cli", "measure the best planned layouts on this machine, keep the fastest"),
     "convert": ("meshspeed.checkpoint.cli", "consolidate a sharded checkpoint into one file"),
     "aio-bench": ("meshspeed.offload.aio_bench", "measure the NVMe swap engine's bandwidth"),
-    "pipeline-plot": ("meshspeed.parallel.pipeline.plot", "draw a pipeline schedule as executed (Gantt chart PNG)"),
+    "pipeline-plot": ("meshspeed.tools.pipeline_plot", "draw a pipeline schedule as executed (Gantt chart PNG)"),
 }
 
 

@@ -6,8 +6,8 @@ from meshspeed.autotune.trial import TuneError
 
 
 def autotune(*args, **kwargs):
-    # imported on use: meshspeed.engine imports autotune.hooks, and the tuner imports the
-    # planner and config loader, which a training process does not need
+    # lazy: start-up cost; the tuner imports the planner and config loader, which
+    # `meshspeed run` (importing TuneError from here) does not need
     from meshspeed.autotune.tuner import autotune as run
 
     return run(*args, **kwargs)

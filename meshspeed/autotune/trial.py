@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshspeed.autotune.hooks import METRICS_ENV, PROBE_ENV, STEPS_ENV
+from meshspeed.monitor.autotune_hooks import METRICS_ENV, PROBE_ENV, STEPS_ENV
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--config")
 

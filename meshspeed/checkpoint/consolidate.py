@@ -79,7 +79,7 @@ def consolidate(ckpt_dir, tag: str | None = None, dtype: torch.dtype = torch.flo
 def convert(ckpt_dir, out_path: str, tag: str | None = None, dtype: torch.dtype = torch.float32,
             verify: bool = True) -> dict:
     """Stream the consolidated state dict into one safetensors file. Returns a summary."""
-    from meshspeed.runtime.malloc import tune_host_allocator
+    from meshspeed.process.malloc import tune_host_allocator
 
     # parameter-sized buffers come and go one after another: with glibc's sliding mmap
     # threshold they would stay in the heap (Note [a fixed mmap threshold for CPU training])

@@ -29,8 +29,8 @@ from meshspeed.checkpoint.snapshot import (
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
 from meshspeed.checkpoint.tp_ranges import logical_shape
 from meshspeed.parallel.buckets import split_by_numel
-from meshspeed.tensor_parallel.spec import TPShard
-from meshspeed.zero import GatheredParameters
+from meshspeed.topology.shards import TPShard
+from meshspeed.parallel.gather import gathered
 
 GATHER_NUMEL = 2**26  # parameters gathered together (at least the largest one)
 
@@ -117,7 +117,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             error = err
     for group in _groups(named, shapes):  # every rank joins every gather, even after a write error
-        with GatheredParameters([p for _, p in group]):
+        with gathered([p for _, p in group]):
             whole = [(name, tp.whole(name, p.detach())) for name, p in group]
             if writer is None or error is not None:
                 continue

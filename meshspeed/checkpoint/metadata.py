@@ -35,7 +35,7 @@ from meshspeed.checkpoint.atomic import read_json
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.paths import META
 from meshspeed.checkpoint.tp_ranges import logical_shape, pieces_cover
-from meshspeed.tensor_parallel.spec import TPShard
+from meshspeed.topology.shards import TPShard
 
 FORMAT = "meshspeed-checkpoint"
 VERSION = 1

@@ -24,7 +24,7 @@ from meshspeed.checkpoint import tp_ranges
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.tensorfile import TensorFile, sha256_file
 from meshspeed.checkpoint.tp_ranges import Copy
-from meshspeed.tensor_parallel.spec import TPShard
+from meshspeed.topology.shards import TPShard
 
 
 def overlaps(ranges: list[dict[str, Any]], start: int, end: int) -> Iterator[tuple[dict, int, int]]:

@@ -54,7 +54,7 @@ from meshspeed.checkpoint.jsonable import capture_rng, encode_client_state
 from meshspeed.checkpoint.metadata import dtype_name, global_meta, param_spec
 from meshspeed.checkpoint.paths import rank_file
 from meshspeed.parallel.slices import Deferred, deferred_master, deferred_state
-from meshspeed.tensor_parallel.spec import shards_by_param
+from meshspeed.topology.shards import shards_by_param
 
 
 @dataclass

@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from meshspeed.tensor_parallel.spec import TPShard
+from meshspeed.topology.shards import TPShard
 
 Run = tuple[int, int, int]  # (local flat start, logical flat start, length)
 Copy = tuple[int, int, int]  # (destination offset, source offset, length)

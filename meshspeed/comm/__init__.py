@@ -91,13 +91,3 @@ __all__ = [
     "set_timeout",
 ]
 
-
-def __getattr__(name: str):
-    # `deepspeed.comm.init_distributed()` is how DeepSpeed scripts start the process group;
-    # it lives in meshspeed.runtime.distributed, which itself imports this package, so it
-    # is looked up on first use rather than imported above.
-    if name in ("init_distributed", "get_local_rank"):
-        from meshspeed.runtime import distributed
-
-        return getattr(distributed, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,15 +12,14 @@ inherit the same environment. Without the flag nothing is added: a real DeepSpee
 installed alongside is used as usual.
 
 `install()` does three things:
-1. `sys.modules["deepspeed"]` becomes the `meshspeed` module itself (the import
-   statement that ran the shim returns whatever sys.modules holds at the end).
-2. A finder first on `sys.meta_path` answers every `deepspeed.<path>` with the module
-   `meshspeed.<path>`, the same object: `sys.modules["deepspeed.accelerator"] is
-   sys.modules["meshspeed.accelerator"]`, so isinstance checks and module-level state
-   agree whichever name a line used. Its loader returns the existing module and then
-   puts back the module's own `__spec__`, which the import system overwrites with the
-   alias's. A path meshspeed lacks is a `ModuleNotFoundError` saying so, naming the
-   deepspeed module (not the meshspeed path it was looked up under).
+1. `sys.modules["deepspeed"]` becomes `meshspeed.compat.deepspeed`, the mirror of
+   DeepSpeed's top-level module (the import statement that ran the shim returns whatever
+   sys.modules holds at the end).
+2. A finder first on `sys.meta_path` answers every `deepspeed.<path>` with the mirror's
+   module, or meshspeed's own (Note [DeepSpeed's paths] in compat/paths.py), the same
+   object: `sys.modules["deepspeed.moe.layer"] is sys.modules["meshspeed.moe.layer"]`,
+   so isinstance checks and module-level state agree whichever name a line used. A path
+   neither has is a `ModuleNotFoundError` saying so, naming the deepspeed module.
 3. `builtins.__import__` is wrapped so that `from deepspeed.x import name` of a name the
    module lacks says that meshspeed does not provide `deepspeed.x.name`, where Python's
    own message would name `meshspeed.x`. Only absolute imports of `deepspeed...` with a
@@ -34,11 +33,11 @@ from __future__ import annotations
 
 import builtins
 import importlib
-import importlib.abc
-import importlib.util
 import os
 import sys
 from types import ModuleType
+
+from meshspeed.compat.paths import MIRROR, Redirect
 
 __all__ = ["ALIAS", "TARGET", "install", "is_installed", "uninstall", "write_shim"]
 
@@ -49,53 +48,22 @@ _HINT = ("meshspeed stands in for DeepSpeed here (meshspeed run --deepspeed-comp
          "this part of DeepSpeed's API is not provided")
 
 
-def _real_name(alias_name: str) -> str:
-    return TARGET + alias_name[len(ALIAS):]
+def _routes(alias_name: str) -> list[str]:
+    """Note [DeepSpeed's paths]: the mirror's module first, then meshspeed's own package."""
+    rest = alias_name[len(ALIAS):]
+    return [MIRROR + rest, TARGET + rest] if rest else [MIRROR]
 
 
 def _is_alias(name: str) -> bool:
     return name == ALIAS or name.startswith(ALIAS + ".")
 
 
-def _not_provided(alias_name: str, missing: str) -> ModuleNotFoundError:
-    return ModuleNotFoundError(f"No module named {alias_name!r}: {_HINT} (meshspeed has no "
-                               f"module {missing})", name=alias_name)
+def _not_provided(alias_name: str) -> ModuleNotFoundError:
+    return ModuleNotFoundError(f"No module named {alias_name!r}: {_HINT} (neither {_routes(alias_name)[0]} "
+                               f"nor {_routes(alias_name)[-1]} exists)", name=alias_name)
 
 
-class _Loader(importlib.abc.Loader):
-    """Hands the import system an already-imported meshspeed module."""
-
-    def __init__(self, real_name: str):
-        self.real_name = real_name
-        self._spec = None
-
-    def create_module(self, spec) -> ModuleType:
-        module = importlib.import_module(self.real_name)
-        self._spec = module.__spec__
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self._spec  # the import system set it to the alias's spec
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if not _is_alias(fullname):
-            return None
-        real = _real_name(fullname)
-        try:
-            spec = importlib.util.find_spec(real)
-        except ModuleNotFoundError as err:  # a parent is missing, or is a module, not a package
-            if err.name and (real == err.name or real.startswith(err.name + ".")):
-                raise _not_provided(fullname, err.name) from None
-            raise
-        if spec is None:
-            raise _not_provided(fullname, real)
-        return importlib.util.spec_from_loader(fullname, _Loader(real),
-                                               is_package=spec.submodule_search_locations is not None)
-
-
-_finder = _Finder()
+_finder = Redirect(ALIAS, _routes, _not_provided)
 _original_import = None
 
 
@@ -112,16 +80,16 @@ def _import(name, globals=None, locals=None, fromlist=(), level=0):
 
 def install() -> ModuleType:
     """Make `deepspeed` and every `deepspeed.*` resolve to meshspeed in this process;
-    returns the meshspeed module. Idempotent."""
+    returns the `deepspeed` module (meshspeed.compat.deepspeed). Idempotent."""
     global _original_import
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
     if _original_import is None:
         _original_import = builtins.__import__
         builtins.__import__ = _import
-    meshspeed = importlib.import_module(TARGET)
-    sys.modules[ALIAS] = meshspeed
-    return meshspeed
+    mirror = importlib.import_module(MIRROR)
+    sys.modules[ALIAS] = mirror  # also replaces the shim whose import is running this
+    return mirror
 
 
 def is_installed() -> bool:

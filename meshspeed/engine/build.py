@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.autotune.hooks import start_probe
+from meshspeed.monitor.autotune_hooks import start_probe
 from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.config.no_effect import report_no_effect
 from meshspeed.engine.engine import MeshspeedEngine
@@ -46,11 +46,11 @@ from meshspeed.parallel.zero import nodes, qgz, qwz
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import cast_partitioned, gather_partitioned, is_partitioned
 from meshspeed.parallel.zero.strategy import Zero
-from meshspeed.runtime.accelerator import get_accelerator
-from meshspeed.runtime.distributed import get_local_world_size, init_distributed
-from meshspeed.runtime.malloc import tune_host_allocator
+from meshspeed.process.accelerator import get_accelerator
+from meshspeed.process.distributed import get_local_world_size, init_distributed
+from meshspeed.process.malloc import tune_host_allocator
 from meshspeed.topology.mesh import group_from_layout
-from meshspeed.utils import groups
+from meshspeed.compat.deepspeed.utils import groups  # TEMP
 
 log = logging.getLogger("meshspeed")
 
@@ -254,7 +254,7 @@ def _cast(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Mod
 
 
 def _local_rank() -> int:
-    from meshspeed.runtime.distributed import get_local_rank
+    from meshspeed.process.distributed import get_local_rank
 
     return get_local_rank()
 

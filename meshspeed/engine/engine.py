@@ -17,12 +17,13 @@ from meshspeed import comm
 from meshspeed.compression.scheduler import engine_scheduler
 from meshspeed.config.errors import ConfigError
 from meshspeed.engine.agreement import STEP_COUNTERS, agree
-from meshspeed.engine.memory import count_bytes
+from meshspeed.parallel.memory import count_bytes
 from meshspeed.engine.observe import StepObserver
 from meshspeed.engine.tp_grads import TensorParallelGrads
 from meshspeed.offload.tiers import add_tiers, resident_state_tensors
 from meshspeed.optim.clip import clip_by_norm_, clip_coef, global_grad_norm
 from meshspeed.optim.precision import unscale_and_check
+from meshspeed.parallel.gather import gathered
 
 log = logging.getLogger("meshspeed")
 
@@ -205,7 +206,7 @@ class MeshspeedEngine(nn.Module):
 
     @property
     def local_rank(self) -> int:
-        from meshspeed.runtime.distributed import get_local_rank
+        from meshspeed.process.distributed import get_local_rank
 
         return get_local_rank()
 
@@ -506,14 +507,10 @@ class MeshspeedEngine(nn.Module):
         the parameters are gathered and copied: a collective, and a full copy in memory)."""
         if not self.strategy.shards_params:
             return self.module.state_dict(*args, **kwargs)
-        from meshspeed.zero import GatheredParameters
-
-        with GatheredParameters(list(self.module.parameters())):
+        with gathered(list(self.module.parameters())):
             return {k: v.detach().clone() for k, v in self.module.state_dict(*args, **kwargs).items()}
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load whole tensors into the module; under ZeRO-3 each rank keeps its slices."""
-        from meshspeed.zero import GatheredParameters
-
-        with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+        with gathered(list(self.module.parameters()), modifier_rank=0):
             return self.module.load_state_dict(state_dict, strict=strict)

@@ -18,7 +18,7 @@ from meshspeed.config import ConfigError, MeshspeedConfig
 from meshspeed.config.context_parallel import ContextParallelConfig, resolve
 from meshspeed.config.loader import _read
 from meshspeed.config.tensor_parallel import TensorParallelConfig
-from meshspeed.runtime.distributed import describe_world
+from meshspeed.process.distributed import describe_world
 from meshspeed.topology import ParallelDims, Topology, build_topology, topology_from_mpu
 
 
@@ -226,7 +226,7 @@ def split_tensor_parallel(model: nn.Module, topology: Topology, cfg: TensorParal
     ranks; with an mpu and no `autotp_size` the model is the user's own model-parallel
     code (Megatron layers) and is left as it is."""
     from meshspeed.tensor_parallel.deepspeed_api import request_of
-    from meshspeed.tensor_parallel.spec import shards_by_param
+    from meshspeed.topology.shards import shards_by_param
 
     if shards_by_param(model):
         _check_presplit(model, topology)
@@ -277,7 +277,7 @@ def _check_experts_whole(model: nn.Module) -> None:
     """MoE layers stay whole on every tp rank (Note [MoE layers on tensor-parallel ranks]
     in build.py): a plan that split one of their parameters is refused."""
     from meshspeed.moe.utils import expert_layers
-    from meshspeed.tensor_parallel.spec import shards_by_param
+    from meshspeed.topology.shards import shards_by_param
 
     split = shards_by_param(model)
     for name, layer in expert_layers(model):
@@ -292,7 +292,7 @@ def _check_experts_whole(model: nn.Module) -> None:
 def _same_replicas(model: nn.Module, topology: Topology) -> None:
     """Parameters tensor parallelism left whole start equal on every tp rank (tp rank 0's),
     whatever each rank's seed was: they must stay replicas."""
-    from meshspeed.tensor_parallel.spec import shards_by_param
+    from meshspeed.topology.shards import shards_by_param
 
     split = shards_by_param(model)
     group = topology.group("tp")

@@ -14,7 +14,7 @@ import contextlib
 import logging
 
 from meshspeed import comm
-from meshspeed.autotune.hooks import step_clock_from_env
+from meshspeed.monitor.autotune_hooks import step_clock_from_env
 from meshspeed.monitor.monitor import Monitor
 from meshspeed.monitor.step_events import StepFigures, count_tokens
 from meshspeed.profiling.flops_profiler import FlopsProfiler
@@ -38,7 +38,7 @@ class StepObserver:
         self.profiler: FlopsProfiler | None = None
         self.last_profile: str | None = None  # rank 0: the printed profile
         self.profile_figures: dict | None = None  # every rank: totals of the profiled step
-        self.clock = step_clock_from_env()  # an autotuner trial's timed steps (autotune/hooks.py)
+        self.clock = step_clock_from_env()  # an autotuner trial's timed steps (monitor/autotune_hooks.py)
 
     @contextlib.contextmanager
     def phase(self, name: str, inputs: tuple = ()):

@@ -50,6 +50,7 @@ import torch
 
 from meshspeed import comm
 from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.data.loader import RepeatingLoader
 from meshspeed.engine.tied_grads import TiedGrads
 from meshspeed.parallel.pipeline.runtime import run_stage
 from meshspeed.parallel.pipeline.schedule import ScheduleError, build
@@ -67,9 +68,9 @@ def check_pipeline(model, cfg) -> None:
     if not isinstance(model, PipelineModule):
         raise ConfigError([f"a pipelined layout needs a PipelineModule, got {type(model).__name__}"])
     pipe, v = cfg.pipeline, model.virtual_stages
-    mp = model.topology().get_dim("model")  # 0: no model axis (PipeDataParallelTopology)
+    mp = model.model_parallel_size  # DeepSpeed's topology's "model" axis, None without one
     if mp and mp != cfg.tensor_parallel.size:
-        raise ConfigError([(f"PipelineModule topology {model.topology()} has a model axis of {mp}, but "
+        raise ConfigError([(f"PipelineModule topology has a model axis of {mp}, but "
                            f"tensor_parallel.autotp_size is {cfg.tensor_parallel.size}: meshspeed splits a "
                            f"stage's layers itself; set \"tensor_parallel\": {{\"autotp_size\": {mp}}} or "
                            "use PipeDataParallelTopology")])
@@ -324,8 +325,6 @@ class PipelineEngine(MeshspeedEngine):
 
     def _default_iterator(self, what: str):
         if self._data_iterator is None and self.training_dataloader is not None:
-            from meshspeed.utils import RepeatingLoader
-
             self._data_iterator = iter(RepeatingLoader(self.training_dataloader))
         return self._data_iterator
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.tensor_parallel.spec import partial_grad_params, shards_by_param
+from meshspeed.topology.shards import partial_grad_params, shards_by_param
 
 
 class TensorParallelGrads:

@@ -8,7 +8,7 @@
     model.safetensors.index.json when sharded).
 
 Note [reading only this rank's shard]
-A split parameter carries a `TPShard` (tensor_parallel/spec.py): pieces along one dim of
+A split parameter carries a `TPShard` (topology/shards.py): pieces along one dim of
 the logical tensor. Each piece is read on its own -- a safetensors `get_slice` of those
 rows/columns, or a flat-range plan of the meshspeed checkpoint -- so a rank reads about
 1/tp of the split weights plus the replicated ones (norms, biases of row layers, position
@@ -32,7 +32,7 @@ from torch import nn
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.reshard import SavedTensors
 from meshspeed.checkpoint.tensorfile import TensorFile
-from meshspeed.tensor_parallel.spec import TPShard, shards_by_param
+from meshspeed.topology.shards import TPShard, shards_by_param
 
 INDEX = "model.safetensors.index.json"
 

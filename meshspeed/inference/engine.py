@@ -165,7 +165,7 @@ def check_dtype_runs(dtype: torch.dtype, device: torch.device) -> None:
 
 
 def _build_topology(model: nn.Module, tp: int, device: torch.device):
-    from meshspeed.runtime.distributed import init_distributed
+    from meshspeed.process.distributed import init_distributed
     from meshspeed.topology import ParallelDims, build_topology
 
     if not dist.is_initialized():

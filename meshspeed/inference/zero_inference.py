@@ -66,7 +66,7 @@ from meshspeed.offload.hostmem import ALIGN, host_empty, round_up
 from meshspeed.offload.swapdir import SwapDir, check_nvme_path
 from meshspeed.parallel.zero.flat import FlatLayout
 from meshspeed.parallel.zero.lifecycle import LifecycleError
-from meshspeed.runtime.malloc import release_free_heap, tune_host_allocator
+from meshspeed.process.malloc import release_free_heap, tune_host_allocator
 
 __all__ = ["ZeroInference", "ZeroInferenceConfig", "find_decoder_layers", "partition_for_inference"]
 
@@ -413,7 +413,7 @@ class ZeroInference:
         self.meter.add(self.replicated_bytes)
         device = layer_params[0][0].device
         if device.type == "cpu":
-            tune_host_allocator()  # freed unit buffers go back to the OS (meshspeed/runtime/malloc.py)
+            tune_host_allocator()  # freed unit buffers go back to the OS (meshspeed/process/malloc.py)
         if config.device == "nvme":
             global_rank = comm.get_rank() if initialized else 0
             self.home = _NvmeHome(device, config.nvme_path, global_rank, config.pin_memory, self.meter)

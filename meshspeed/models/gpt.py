@@ -175,7 +175,13 @@ class Attention(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         # a meshspeed.sequence.context.ContextParallel when the engine splits sequences
         # over ranks: it gives the global positions and runs the distributed attention
+        # (the ContextAttention protocol of meshspeed/sequence/models.py)
         self.context = None
+        self.max_positions = cfg.max_seq_len
+
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads) this rank's projections produce."""
+        return self.wq.weight.shape[0] // self.head_dim, self.wk.weight.shape[0] // self.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Head counts come from the tensors (-1), not the config, so a head-sharded

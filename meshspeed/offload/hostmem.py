@@ -46,7 +46,7 @@ def host_zeros(numel: int, dtype: torch.dtype = torch.float32, *, pin: bool = Fa
 
 
 def _pin_ok() -> bool:
-    from meshspeed.runtime.accelerator import get_accelerator
+    from meshspeed.process.accelerator import get_accelerator
 
     return get_accelerator().is_pin_available()
 

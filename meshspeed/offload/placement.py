@@ -45,7 +45,7 @@ from meshspeed.offload.hostmem import host_empty
 from meshspeed.offload.optimizer import BackgroundStep
 from meshspeed.parallel.zero.flat import publish_all
 from meshspeed.parallel.zero.placement import DevicePlacement
-from meshspeed.runtime.malloc import release_free_heap
+from meshspeed.process.malloc import release_free_heap
 
 log = logging.getLogger("meshspeed")
 
@@ -238,7 +238,7 @@ class OffloadPlacement(DevicePlacement):
                 if m.requires_grad:
                     m.grad = host[s.offset : s.offset + s.numel]
         if copied and self.device.type != "cpu":
-            from meshspeed.runtime.accelerator import get_accelerator
+            from meshspeed.process.accelerator import get_accelerator
 
             get_accelerator(self.device.type).synchronize()  # non-blocking D2H copies landed
         self.grads_on_host.clear()

@@ -110,14 +110,14 @@ def _agree(problems: list[str]) -> None:
 
 
 def get_device() -> torch.device:
-    from meshspeed.runtime.accelerator import get_accelerator
-    from meshspeed.runtime.distributed import get_local_rank
+    from meshspeed.process.accelerator import get_accelerator
+    from meshspeed.process.distributed import get_local_rank
 
     return get_accelerator().device(get_local_rank())
 
 
 def _pin(cfg) -> bool:
-    from meshspeed.runtime.accelerator import get_accelerator
+    from meshspeed.process.accelerator import get_accelerator
 
     z = cfg.zero_optimization
     asked = any(t is not None and t.device != "none" and t.pin_memory

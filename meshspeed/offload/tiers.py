@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from meshspeed.engine.memory import CATEGORIES, optimizer_state_tensors
+from meshspeed.parallel.memory import CATEGORIES, optimizer_state_tensors
 from meshspeed.offload.optimizer import OffloadOptimizer
-from meshspeed.runtime.accelerator import get_accelerator
+from meshspeed.process.accelerator import get_accelerator
 
 TIERS = ("device", "host", "nvme")
 
@@ -55,5 +55,5 @@ def add_tiers(out: dict, tensors: dict, strategy, optimizer) -> dict:
     return out
 
 
-def _key(t: torch.Tensor) -> tuple[str, int]:  # as in engine/memory.py: one storage, one count
+def _key(t: torch.Tensor) -> tuple[str, int]:  # as in parallel/memory.py: one storage, one count
     return (str(t.device), t.untyped_storage().data_ptr())

@@ -232,7 +232,7 @@ def _boundary(policy: CheckpointPolicy, label: str, phase: str) -> Iterator[None
     if not (policy.synchronize or policy.profile):
         yield
         return
-    from meshspeed.runtime.accelerator import get_accelerator
+    from meshspeed.process.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     accelerator.synchronize()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshspeed.tensor_parallel.spec import TPShard
+from meshspeed.topology.shards import TPShard
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ right, only not split.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -22,31 +22,38 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.config.errors import ConfigError
 from meshspeed.sequence.context import ContextParallel
+from meshspeed.sequence.layer import DistributedAttention
 
 log = logging.getLogger("meshspeed")
 
 HF_NAME = "meshspeed_context_parallel"
 
 
+@runtime_checkable
+class ContextAttention(Protocol):
+    """An attention module that runs through `context` once it is set: it takes its
+    positions from it and calls `context.attend(q, k, v, causal=True)` (meshspeed's GPT
+    Attention). The model offers the slot; this package fills it."""
+
+    context: Any
+    max_positions: int | None  # the longest sequence its position tables cover
+
+    def local_heads(self) -> tuple[int, int]: ...
+
+
 def attach(model: nn.Module, ctx: ContextParallel) -> bool:
     """Route the model's attention through `ctx`. Returns whether the engine cuts the
     batches (False for models with their own DistributedAttention, and others). Raises
     ConfigError for heads the method cannot split."""
-    from meshspeed.models.gpt import GPT, Attention
-    from meshspeed.sequence.layer import DistributedAttention
-
     try:
         if any(isinstance(m, DistributedAttention) for m in model.modules()):
             return False
-        gpt = [m for m in model.modules() if isinstance(m, Attention)]
-        if gpt:
-            for name, m in model.named_modules():
-                if isinstance(m, Attention):
-                    heads = m.wq.weight.shape[0] // m.head_dim
-                    ctx.check_heads(heads, m.wk.weight.shape[0] // m.head_dim, name)
-                    m.context = ctx
-            configs = [m.config for m in model.modules() if isinstance(m, GPT)]
-            ctx.max_positions = configs[0].max_seq_len if configs else None
+        slots = [(name, m) for name, m in model.named_modules() if isinstance(m, ContextAttention)]
+        if slots:
+            for name, m in slots:
+                ctx.check_heads(*m.local_heads(), name)
+                m.context = ctx
+            ctx.max_positions = slots[0][1].max_positions
             return True
         if _attach_hf(model, ctx):
             return True

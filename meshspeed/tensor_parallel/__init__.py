@@ -13,7 +13,7 @@ from meshspeed.tensor_parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from meshspeed.tensor_parallel.plan import PlanError
-from meshspeed.tensor_parallel.spec import (
+from meshspeed.topology.shards import (
     TPShard,
     partial_grad_params,
     shards_by_name,

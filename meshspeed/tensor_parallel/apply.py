@@ -28,7 +28,7 @@ from meshspeed.tensor_parallel.plan import (
     normalize,
     resolve,
 )
-from meshspeed.tensor_parallel.spec import shards_by_param
+from meshspeed.topology.shards import shards_by_param
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: Any, plan: dict | None = None, *,

@@ -20,7 +20,7 @@ from torch import nn
 
 from meshspeed.comm import collectives
 from meshspeed.comm.differentiable import reduce_from_parallel, reduce_scatter_sequence
-from meshspeed.tensor_parallel.spec import TPShard, even_pieces
+from meshspeed.topology.shards import TPShard, even_pieces
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -16,7 +16,7 @@ from meshspeed.tensor_parallel.embedding import VocabParallelEmbedding
 from meshspeed.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from meshspeed.tensor_parallel.norms import mark_sequence_parallel
 from meshspeed.tensor_parallel.shared_gather import SharedGather
-from meshspeed.tensor_parallel.spec import partial_grad_params
+from meshspeed.topology.shards import partial_grad_params
 
 __all__ = [
     "ColumnParallelLinear",

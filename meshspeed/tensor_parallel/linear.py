@@ -27,7 +27,7 @@ from meshspeed.comm.differentiable import (
     scatter_to_parallel,
 )
 from meshspeed.tensor_parallel.overlap import ColumnLinearFn, RowLinearChunkedFn, matmul
-from meshspeed.tensor_parallel.spec import TPShard, even_pieces
+from meshspeed.topology.shards import TPShard, even_pieces
 
 _LAYOUTS = ("out_in", "in_out")
 

@@ -247,10 +247,10 @@ def train_steps(engine, setup: ParitySetup, first: int = 0, last: int | None = N
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
     """Whole parameters (gathered under stage 3, and from the tensor-parallel pieces) as
     fp32 copies, plus buffers."""
-    from meshspeed.zero import GatheredParameters
+    from meshspeed.parallel.gather import gathered
 
     module = engine.module
-    with GatheredParameters(list(module.parameters())):
+    with gathered(list(module.parameters())):
         state = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
         return logical_state(module, state, engine.mesh.group("tp"))
 
@@ -259,7 +259,7 @@ def logical_state(module: nn.Module, state: dict[str, torch.Tensor], tp_group) -
     """`state` with every tensor-parallel piece replaced by the whole parameter (a
     collective over the tp group: every tp rank's local tensor is gathered)."""
     from meshspeed import comm
-    from meshspeed.tensor_parallel.spec import TPShard, shards_by_param
+    from meshspeed.topology.shards import TPShard, shards_by_param
 
     split = shards_by_param(module)
     if not split:

@@ -188,3 +188,11 @@ class ParallelDims:
 def _check_axis(axis: str) -> None:
     if axis not in AXES:
         raise ValueError(f"unknown axis {axis!r}; expected one of {', '.join(AXES)}")
+
+
+def pipeline_stage(rank: int, world_size: int, pp: int) -> int:
+    """The pipeline coordinate of `rank` in any layout of `world_size` ranks with `pp`
+    stages: pipeline is the slowest axis, so stage s is the s-th block of world / pp
+    consecutive ranks, whatever the other degrees are (Note [the mesh binds the stage] in
+    parallel/pipeline/module.py uses it before the mesh exists)."""
+    return rank // (world_size // pp)

@@ -1,6 +1,6 @@
 """`checkpoint.auto_resume` (Note [what auto_resume loads]): which checkpoint a restarted
 job resumes from, initialize loading it, and `load_checkpoint` on a first run. The restart
-under torchrun itself is tests/runtime/test_auto_resume.py."""
+under torchrun itself is tests/process/test_auto_resume.py."""
 
 from __future__ import annotations
 

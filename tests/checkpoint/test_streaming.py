@@ -7,7 +7,7 @@ from meshspeed.checkpoint.snapshot import _range_values
 from meshspeed.checkpoint.tensorfile import TensorFile, write_tensors
 from meshspeed.checkpoint.writer import stream_tensors
 from meshspeed.parallel.slices import Deferred, OwnedSlice
-from meshspeed.tensor_parallel.spec import TPShard
+from meshspeed.topology.shards import TPShard
 
 
 def test_each_deferred_is_read_when_written(tmp_path):

@@ -22,7 +22,7 @@ from meshspeed.checkpoint.metadata import check_coverage
 from meshspeed.checkpoint.reshard import SavedTensors
 from meshspeed.checkpoint.snapshot import _unpadded
 from meshspeed.checkpoint.tensorfile import write_tensors
-from meshspeed.tensor_parallel.spec import TPShard, even_pieces
+from meshspeed.topology.shards import TPShard, even_pieces
 
 # name -> (logical shape, split dim, fused parts along dim)
 CASES = {

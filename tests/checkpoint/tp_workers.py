@@ -22,7 +22,7 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.checkpoint.snapshot import ordered_slices
-from meshspeed.tensor_parallel.spec import TPShard, even_pieces
+from meshspeed.topology.shards import TPShard, even_pieces
 
 # name -> (logical shape, split dim or None (replicated), fused parts along dim or None)
 PARAMS = {

@@ -75,7 +75,7 @@ def main():
     with deepspeed.zero.GatheredParameters(list(model_engine.module.parameters())):
         live = {k: v.detach().float() for k, v in model_engine.module.state_dict().items()}
     assert state.keys() == live.keys() and all(torch.equal(state[k], live[k]) for k in live)
-    assert deepspeed is meshspeed and sys.modules["deepspeed.accelerator"] is sys.modules["meshspeed.accelerator"]
+    assert deepspeed.initialize is meshspeed.initialize and sys.modules["deepspeed.accelerator"] is sys.modules["meshspeed.compat.deepspeed.accelerator"]
     deepspeed.comm.barrier()
     if deepspeed.comm.get_rank() == 0:
         head, tail = sum(losses[:4]) / 4, sum(losses[-4:]) / 4

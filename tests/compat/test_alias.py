@@ -15,7 +15,7 @@ import pytest
 
 from meshspeed.compat import child
 from meshspeed.compat.alias import write_shim
-from meshspeed.runtime import launch
+from meshspeed.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,13 +24,17 @@ PROBE = textwrap.dedent("""
     out = {}
     import deepspeed
     import meshspeed
-    out["top"] = deepspeed is meshspeed
+    import meshspeed.compat.deepspeed as mirror
+    out["top"] = deepspeed is mirror and deepspeed.initialize is meshspeed.initialize
     from deepspeed.accelerator import get_accelerator
     import deepspeed.ops.adam
     from deepspeed import comm as dist
+    import deepspeed.moe.layer, meshspeed.moe.layer
     import meshspeed.accelerator, meshspeed.ops.adam
     out["same"] = (sys.modules["deepspeed.accelerator"] is meshspeed.accelerator
-                   and deepspeed.ops.adam is meshspeed.ops.adam and dist is meshspeed.comm
+                   and deepspeed.ops.adam is meshspeed.ops.adam
+                   and dist.all_reduce is meshspeed.comm.all_reduce and callable(dist.init_distributed)
+                   and deepspeed.moe.layer is meshspeed.moe.layer
                    and get_accelerator is meshspeed.accelerator.get_accelerator)
     out["spec"] = meshspeed.accelerator.__spec__.name  # not overwritten by the alias
     from deepspeed.pipe import PipelineModule
@@ -65,12 +69,12 @@ def run_probe(tmp_path, code: str, shim: bool = True) -> dict:
 def test_deepspeed_names_are_meshspeed_modules_and_missing_names_say_so(tmp_path):
     out = run_probe(tmp_path, PROBE)
     assert out["top"] and out["same"] and out["class"]
-    assert out["spec"] == "meshspeed.accelerator"
+    assert out["spec"] == "meshspeed.compat.deepspeed.accelerator"
     kind, message, name = out["missing_module"]
     assert kind == "ModuleNotFoundError" and name == "deepspeed.ops.transformer"
     assert "'deepspeed.ops.transformer'" in message and "not provided" in message
     kind, message, name = out["missing_package"]
-    assert name == "deepspeed.nebula" and "meshspeed has no module meshspeed.nebula" in message
+    assert name == "deepspeed.nebula" and "meshspeed.nebula" in message and "not provided" in message
     kind, message, _ = out["missing_name"]
     assert kind == "ImportError"
     assert "'nonexistent_thing' from 'deepspeed.accelerator'" in message and "not provided" in message

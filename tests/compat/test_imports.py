@@ -1,11 +1,14 @@
-"""Every `deepspeed.*` name that the surveyed client scripts use imports from `meshspeed.*`.
+"""Every `deepspeed.*` name that the surveyed client scripts use imports through the alias.
 
 Survey (DeepSpeedExamples: training/cifar/cifar10_deepspeed.py and its MoE run,
 training/HelloDeepSpeed/train_bert_ds.py, training/pipeline_parallelism/train.py,
 DeepSpeed-Chat dschat/utils/{utils,ds_utils}.py, dschat/utils/module/lora.py,
 dschat/rlhf/*.py, training/step1_supervised_finetuning/main.py; DeepSpeed
 docs/_tutorials/{getting-started,zero,zero-offload}.md). Module -> names imported or
-reached as attributes.
+reached as attributes. Scripts that write `import meshspeed as deepspeed` reach the same
+modules as `meshspeed.*` (Note [DeepSpeed's paths] in meshspeed/compat/paths.py), except
+`deepspeed.comm`, which there is meshspeed's collectives without DeepSpeed's process-group
+life cycle (`init_distributed` is `meshspeed.init_distributed`).
 """
 
 from __future__ import annotations
@@ -16,43 +19,54 @@ import sys
 import pytest
 
 SURVEY = {
-    "meshspeed": ["initialize", "init_distributed", "add_config_arguments", "get_accelerator",
+    "deepspeed": ["initialize", "init_distributed", "add_config_arguments", "get_accelerator",
                   "zero", "comm", "runtime", "moe", "pipe", "ops", "utils", "accelerator",
                   "compression", "PipelineModule", "checkpointing"],
-    "meshspeed.accelerator": ["get_accelerator"],
-    "meshspeed.comm": ["get_rank", "get_world_size", "barrier", "all_reduce", "init_distributed",
+    "deepspeed.accelerator": ["get_accelerator"],
+    "deepspeed.comm": ["get_rank", "get_world_size", "barrier", "all_reduce", "init_distributed",
                        "is_initialized", "ReduceOp"],
-    "meshspeed.zero": ["GatheredParameters", "Init"],
-    "meshspeed.utils": ["RepeatingLoader", "logger", "log_dist"],
-    "meshspeed.utils.zero_to_fp32": ["get_fp32_state_dict_from_zero_checkpoint",
+    "deepspeed.zero": ["GatheredParameters", "Init"],
+    "deepspeed.utils": ["RepeatingLoader", "logger", "log_dist"],
+    "deepspeed.utils.zero_to_fp32": ["get_fp32_state_dict_from_zero_checkpoint",
                                      "convert_zero_checkpoint_to_fp32_state_dict",
                                      "load_state_dict_from_zero_checkpoint"],
-    "meshspeed.runtime.utils": ["set_random_seed", "see_memory_usage"],
-    "meshspeed.pipe": ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology",
+    "deepspeed.runtime.utils": ["set_random_seed", "see_memory_usage"],
+    "deepspeed.pipe": ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology",
                        "PipeDataParallelTopology", "PipeModelDataParallelTopology"],
-    "meshspeed.runtime.pipe": ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology"],
-    "meshspeed.runtime.pipe.module": ["PipelineModule", "LayerSpec", "TiedLayerSpec"],
-    "meshspeed.runtime.pipe.topology": ["ProcessTopology", "PipeDataParallelTopology",
+    "deepspeed.runtime.pipe": ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology"],
+    "deepspeed.runtime.pipe.module": ["PipelineModule", "LayerSpec", "TiedLayerSpec"],
+    "deepspeed.runtime.pipe.topology": ["ProcessTopology", "PipeDataParallelTopology",
                                         "PipeModelDataParallelTopology"],
-    "meshspeed.moe.utils": ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param"],
-    "meshspeed.moe.layer": ["MoE"],
-    "meshspeed.ops.adam": ["FusedAdam", "DeepSpeedCPUAdam"],
-    "meshspeed.compression.helper": ["recursive_getattr", "recursive_setattr"],
+    "deepspeed.moe.utils": ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param"],
+    "deepspeed.moe.layer": ["MoE"],
+    "deepspeed.ops.adam": ["FusedAdam", "DeepSpeedCPUAdam"],
+    "deepspeed.compression.helper": ["recursive_getattr", "recursive_setattr"],
     # DeepSpeedExamples compression/bert/run_glue_no_trainer.py, compression/gpt2
-    "meshspeed.compression": ["init_compression", "redundancy_clean", "compression_scheduler",
+    "deepspeed.compression": ["init_compression", "redundancy_clean", "compression_scheduler",
                               "convert_conv1d_to_linear"],
-    "meshspeed.compression.compress": ["init_compression", "redundancy_clean"],
-    "meshspeed.compression.scheduler": ["compression_scheduler"],
+    "deepspeed.compression.compress": ["init_compression", "redundancy_clean"],
+    "deepspeed.compression.scheduler": ["compression_scheduler"],
     # Megatron-DeepSpeed's megatron/training.py and model/transformer.py; DeepSpeedExamples' Megatron
-    "meshspeed.checkpointing": ["checkpoint", "configure", "is_configured", "reset",
+    "deepspeed.checkpointing": ["checkpoint", "configure", "is_configured", "reset",
                                 "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed"],
-    "meshspeed.runtime.activation_checkpointing.checkpointing": ["checkpoint", "configure",
+    "deepspeed.runtime.activation_checkpointing.checkpointing": ["checkpoint", "configure",
                                                                  "get_cuda_rng_tracker"],
+    "deepspeed.runtime.zero.partition_parameters": ["ZeroParamStatus"],  # DeepSpeed-Chat utils
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def alias():
+    """`import deepspeed` is meshspeed here, as under `meshspeed run --deepspeed-compat`."""
+    from meshspeed.compat.alias import install, uninstall
+
+    install()
+    yield
+    uninstall()
 
 # Surveyed names another piece of the drop-in work provides; checked once they are there.
 ELSEWHERE = {
-    "meshspeed.runtime.zero.partition_parameters": ["ZeroParamStatus"],  # DeepSpeed-Chat utils
+    "deepspeed.runtime.zero.partition_parameters": ["ZeroParamStatus"],  # DeepSpeed-Chat utils
 }
 
 # The accelerator methods the surveyed scripts call (and their close relatives).
@@ -76,17 +90,6 @@ def test_surveyed_names_import(module):
     if parent:
         exec(f"from {parent} import {leaf} as _m", {})  # noqa: S102 - the statement under test
         assert getattr(sys.modules[parent], leaf) is mod
-
-
-@pytest.mark.parametrize("module", sorted(ELSEWHERE))
-def test_names_provided_elsewhere(module):
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError:
-        pytest.skip(f"{module} comes with another part of the drop-in work")
-    missing = [name for name in ELSEWHERE[module] if not hasattr(mod, name)]
-    if missing:
-        pytest.skip(f"{module} does not have {missing} yet")
 
 
 def test_packages_reach_submodules_as_attributes():

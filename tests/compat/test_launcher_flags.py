@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshspeed.runtime import launch
-from meshspeed.runtime.ds_launcher import (
+from meshspeed.launcher import launch
+from meshspeed.launcher.ds_launcher import (
     DeepSpeedFlags,
     LaunchError,
     parse_filter,
@@ -13,7 +13,7 @@ from meshspeed.runtime.ds_launcher import (
     plan,
     select,
 )
-from tests.runtime.test_launch import parse  # meshspeed.cli's parsing of `meshspeed run`
+from tests.launcher.test_launch import parse  # meshspeed.cli's parsing of `meshspeed run`
 
 HOSTFILE = """
 # the cluster

@@ -160,8 +160,8 @@ def test_parity_two_ranks():
 
 def _memory_run(config: dict) -> dict:
     """RSS (bytes) at each step of partitioning and running a 113 MB model, and the counter."""
-    from meshspeed.runtime.accelerator import _peak_rss_bytes, _rss_bytes
-    from meshspeed.runtime.malloc import release_free_heap
+    from meshspeed.process.accelerator import _peak_rss_bytes, _rss_bytes
+    from meshspeed.process.malloc import release_free_heap
 
     torch.set_num_threads(1)
     _check_parity("gpt", config)  # warm-up: one-time allocations (torch, gloo, swap threads)

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from meshspeed.runtime.accelerator import peak_rss_bytes, rss_bytes
+from meshspeed.process.accelerator import peak_rss_bytes, rss_bytes
 from meshspeed.testing.parity import ParitySetup, full_state_dict, train_steps
 
 

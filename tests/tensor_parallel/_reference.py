@@ -8,7 +8,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from meshspeed import comm
-from meshspeed.tensor_parallel.spec import TPShard
+from meshspeed.topology.shards import TPShard
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32; sums over ranks and chunked GEMMs reassociate
 

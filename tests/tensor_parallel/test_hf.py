@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from meshspeed.tensor_parallel import apply_tensor_parallel, plan_from_deepspeed
-from meshspeed.tensor_parallel.spec import shards_by_name
+from meshspeed.topology.shards import shards_by_name
 from meshspeed.testing import run_distributed
 from tests.tensor_parallel.parity import check_parity, topology
 

@@ -28,11 +28,26 @@ module would take.
 
 Interleaved schedules (`virtual_stages=v > 1`) cut the layers into p * v runs; stage s owns
 runs s, s + p, s + 2p, ...: `chunks()` returns one callable per run, in that order.
+
+Note [the mesh binds the stage]
+The stage a rank runs is the mesh's pp coordinate, decided by `meshspeed.initialize`, and
+nothing else. The constructor cannot wait for it: DeepSpeed scripts list
+`net.parameters()` before initialize, so the module builds this rank's layers at once, for
+the stage the launcher's rank implies (pipeline is the slowest mesh axis, so stage =
+rank // (world / stages), `topology.degrees.pipeline_stage`), reading the process group if
+one exists and the launcher's RANK / WORLD_SIZE otherwise, without starting one. At
+initialize, `bind(stage, virtual_stages)` gives the mesh's coordinate and the config's
+`pipeline.virtual_stages`; when either differs from the first build, the layers are cut
+and built again from the list kept for that purpose, which is dropped then (so layers
+passed already built, and alive on every rank anyway, live until initialize rather than
+until the constructor returns). The DeepSpeed `ProcessTopology` argument is read by the
+DeepSpeed layer (`meshspeed.pipe.PipelineModule`), which turns it into `num_stages`.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,8 +55,9 @@ import torch
 from torch import nn
 
 from meshspeed import comm
+from meshspeed.parallel.activation_checkpoint import checkpoint as _default_checkpoint
 from meshspeed.parallel.pipeline.partition import partition
-from meshspeed.topology.process import PipeDataParallelTopology, ProcessTopology
+from meshspeed.topology.degrees import pipeline_stage
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "split_sequential"]
 
@@ -81,89 +97,91 @@ class TiedLayerSpec(LayerSpec):
         self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
 
 
-def _stages(num_stages: int | None, topology: ProcessTopology | None) -> int:
-    if topology is not None:
-        stages = topology.get_dim("pipe") or 1
-        if num_stages is not None and num_stages != stages:
-            raise ValueError(f"PipelineModule(num_stages={num_stages}) but the topology has {stages} "
-                             "pipe stages; give one of them")
-        return stages
+def _stages(num_stages: int | None) -> int:
     if num_stages is None:
-        raise ValueError("PipelineModule needs num_stages=... or topology=...")
+        raise ValueError("PipelineModule needs num_stages=... (or, from DeepSpeed's API, topology=...)")
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"PipelineModule(num_stages={num_stages!r}): a positive integer")
     return num_stages
 
 
-def _world() -> tuple[int, int]:
-    if not comm.is_initialized():
-        from meshspeed.runtime.distributed import init_distributed
-
-        init_distributed(verbose=False)
-    return comm.get_rank(), comm.get_world_size()
-
-
-def stage_of(rank: int, world: int, stages: int) -> int:
-    """The pipeline stage of `rank`: pipeline is the slowest mesh axis."""
-    return rank // (world // stages)
+def _launched_world() -> tuple[int, int]:
+    """(rank, world) without starting anything: the process group's, else the launcher's
+    environment, else one process (Note [the mesh binds the stage])."""
+    if comm.is_initialized():
+        return comm.get_rank(), comm.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class PipelineModule(nn.Module):
     """DeepSpeed's `PipelineModule`: this rank's stage of a list of layers (module docstring)."""
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None,
-                 topology: ProcessTopology | None = None, loss_fn: Callable | None = None,
-                 seed_layers: bool = False, seed_fn: Callable[[int], Any] | None = None,
-                 base_seed: int = 1234, partition_method: str = "parameters",
-                 activation_checkpoint_interval: int = 0,
+                 loss_fn: Callable | None = None, seed_layers: bool = False,
+                 seed_fn: Callable[[int], Any] | None = None, base_seed: int = 1234,
+                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable | None = None,
                  checkpointable_layers: list[str] | None = None, dynamic_shape: bool = False,
                  virtual_stages: int = 1):
         super().__init__()
-        layers = list(layers)
-        stages = _stages(num_stages, topology)
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"PipelineModule(virtual_stages={virtual_stages!r}): a positive integer")
-        # the cut first: it needs no processes, and a model that cannot be cut is the first
-        # thing to say; bounds over p * v runs, run k belongs to stage k % p as its chunk k // p
-        self.parts = partition(layers, stages * virtual_stages, partition_method)
-        rank, world = _world() if stages > 1 or comm.is_initialized() else (0, 1)
-        if world % stages:
-            raise ValueError(f"PipelineModule(num_stages={stages}) on {world} rank(s): the number of stages "
-                             f"must divide the world size; use a divisor of {world}")
-        self._topo = topology or PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
-        if self._topo.world_size() != world:
-            raise ValueError(f"PipelineModule topology {self._topo} has {self._topo.world_size()} ranks, "
-                             f"the job has {world}")
-        _check_pipe_slowest(self._topo, world, stages)
+        stages = _stages(num_stages)
+        _check_virtual(virtual_stages)
         self.num_stages = stages
-        self.virtual_stages = virtual_stages
-        self.stage_id = stage_of(rank, world, stages)
-        self.global_rank, self.world_size = rank, world
         self.loss_fn = loss_fn
         self.partition_method = partition_method
         self.dynamic_shape = dynamic_shape
-        self.seed_layers, self.base_seed = seed_layers, base_seed
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        self.model_parallel_size: int | None = None  # the tp degree it was written for, if any
         self.num_layers = len(layers)
-        self._tied_positions = _tied_positions(layers)
+        self._layers: list[Any] | None = list(layers)  # until bind(): Note [the mesh binds the stage]
+        self._tied_positions = _tied_positions(self._layers)
+        # the cut first: it needs no processes, and a model that cannot be cut is the first
+        # thing to say; bounds over p * v runs, run k belongs to stage k % p as its chunk k // p
+        self.parts = partition(self._layers, stages * virtual_stages, partition_method)
+        rank, world = _launched_world()
+        if world % stages:
+            raise ValueError(f"PipelineModule(num_stages={stages}) on {world} rank(s): the number of stages "
+                             f"must divide the world size; launch a multiple of {stages} processes")
+        self.global_rank, self.world_size = rank, world
+        self._build(pipeline_stage(rank, world, stages), virtual_stages)
+
+    def bind(self, stage: int, virtual_stages: int | None = None) -> None:
+        """The stage and virtual stages the run uses, from the mesh and the config, at
+        initialize (Note [the mesh binds the stage]): the layers are built again only when
+        they differ from the constructor's."""
+        virtual_stages = self.virtual_stages if virtual_stages is None else virtual_stages
+        _check_virtual(virtual_stages)
+        if (stage, virtual_stages) != (self.stage_id, self.virtual_stages):
+            if self._layers is None:
+                raise ValueError(f"PipelineModule already bound to stage {self.stage_id} with "
+                                 f"{self.virtual_stages} virtual stage(s); cannot rebind to {stage}, "
+                                 f"{virtual_stages}: build a new PipelineModule")
+            for name in [n for n, _ in self.named_children() if n != "tied_modules"]:
+                delattr(self, name)
+            self.parts = partition(self._layers, self.num_stages * virtual_stages, self.partition_method)
+            self._build(stage, virtual_stages)
+        self._layers = None  # Note [only the owner builds]: no reference to other stages' layers
+
+    def _build(self, stage: int, virtual_stages: int) -> None:
+        self.stage_id, self.virtual_stages = stage, virtual_stages
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self._chunks: list[_Chunk] = []
         for chunk in range(virtual_stages):
-            run = chunk * stages + self.stage_id
+            run = chunk * self.num_stages + stage
             lo, hi = self.parts[run], self.parts[run + 1]
             funcs, names = [], []
             for index in range(lo, hi):
-                if seed_layers:
-                    (seed_fn or torch.manual_seed)(base_seed + self._seed_index(layers[index], index))
-                func, name = self._place(index, layers[index])
+                layer = self._layers[index]
+                if self.seed_layers:
+                    (self.seed_fn or torch.manual_seed)(self.base_seed + self._seed_index(layer, index))
+                func, name = self._place(index, layer)
                 funcs.append(func)
                 names.append(name)
             self._chunks.append(_Chunk(self, chunk, run, list(range(lo, hi)), funcs, names))
-        layers.clear()  # Note [only the owner builds]: no reference to other stages' layers
         self.forward_funcs = [f for c in self._chunks for f in c.funcs]
 
     # -- building ------------------------------------------------------------------------------
@@ -193,9 +211,6 @@ class PipelineModule(nn.Module):
                         f"got {type(layer).__name__}")
 
     # -- what the engine asks ------------------------------------------------------------------
-    def topology(self) -> ProcessTopology:
-        return self._topo
-
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 
@@ -253,7 +268,7 @@ class PipelineModule(nn.Module):
                 continue
             args = x if isinstance(x, tuple) else (x,)
             block = functools.partial(_run_args, block_funcs, isinstance(x, tuple))
-            x = (self.activation_checkpoint_func or _default_checkpoint())(block, *args)
+            x = (self.activation_checkpoint_func or _default_checkpoint)(block, *args)
         return x
 
     def _checkpointable(self, funcs: Sequence[Callable], names: Sequence[str | None]) -> bool:
@@ -298,24 +313,9 @@ def _tied_positions(layers: Sequence[Any]) -> dict[str, list[int]]:
     return out
 
 
-def _check_pipe_slowest(topo: ProcessTopology, world: int, stages: int) -> None:
-    """A DeepSpeed topology must put the pipe axis first (slowest), as meshspeed's mesh does."""
-    if "pipe" not in topo.axes:
-        return
-    for rank in range(world):
-        if topo.get_coord(rank).pipe != stage_of(rank, world, stages):
-            raise ValueError(f"PipelineModule topology {topo}: rank {rank} is on stage "
-                             f"{topo.get_coord(rank).pipe} there, but meshspeed lays stages out as "
-                             "consecutive blocks of ranks (the 'pipe' axis first, as in "
-                             "PipeModelDataParallelTopology)")
-
-
-def _default_checkpoint() -> Callable:
-    """DeepSpeed's default: `meshspeed.checkpointing.checkpoint` (it follows configure() and
-    the config's activation_checkpointing block: partitioned, on the host, ...)."""
-    from meshspeed.checkpointing import checkpoint
-
-    return checkpoint
+def _check_virtual(virtual_stages: Any) -> None:
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"PipelineModule(virtual_stages={virtual_stages!r}): a positive integer")
 
 
 def _run(funcs: Sequence[Callable], x: Any) -> Any:
@@ -328,7 +328,8 @@ def _run_args(funcs: Sequence[Callable], as_tuple: bool, *args: Any) -> Any:
     return _run(funcs, args if as_tuple else args[0])
 
 
-def split_sequential(model: nn.Module, num_stages: int, **kwargs: Any) -> PipelineModule:
+def split_sequential(model: nn.Module, num_stages: int, module_class: type | None = None,
+                     **kwargs: Any) -> PipelineModule:
     """A PipelineModule over the children of a sequential model (nn.Sequential, or any
     module whose forward applies its children in order): ``split_sequential(net, 2,
     loss_fn=nn.CrossEntropyLoss())``. Other PipelineModule arguments pass through."""
@@ -336,4 +337,4 @@ def split_sequential(model: nn.Module, num_stages: int, **kwargs: Any) -> Pipeli
     if not children:
         raise ValueError(f"split_sequential: {type(model).__name__} has no child modules to split")
     kwargs.setdefault("loss_fn", getattr(model, "loss_fn", None))
-    return PipelineModule(children, num_stages=num_stages, **kwargs)
+    return (module_class or PipelineModule)(children, num_stages=num_stages, **kwargs)

@@ -26,7 +26,7 @@ A released stage-3 parameter keeps its identity and points at an empty placehold
 0, as in DeepSpeed: touching it is an ordinary size error, never a read of freed memory).
 The views it had into the flat buffer are kept; the buffer's storage is resized to zero
 bytes, and `gather` resizes the same storage back and all-gathers into it (on the CPU,
-Note [a fixed mmap threshold for CPU training] in meshspeed/runtime/malloc.py keeps
+Note [a fixed mmap threshold for CPU training] in meshspeed/process/malloc.py keeps
 these unit-sized blocks from piling up in glibc's heap). Autograd may
 have saved views of a parameter in forward (`weight.t()` inside linear); they share that
 storage, so they see the re-gathered values in backward and keep nothing alive between.

@@ -44,7 +44,7 @@ from meshspeed import comm
 from meshspeed.parallel.zero.init_shards import InitShards, is_partitioned
 from meshspeed.parallel.zero.init_spill import nvme_path_from, offload_param_device
 from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
-from meshspeed.runtime.malloc import release_free_heap, tune_host_allocator
+from meshspeed.process.malloc import release_free_heap, tune_host_allocator
 
 
 class Init:
@@ -197,7 +197,7 @@ def _make_real(root: nn.Module, p: nn.Parameter, dtype: torch.dtype) -> nn.Param
 
 def _ensure_distributed() -> None:
     if not comm.is_initialized():
-        from meshspeed.runtime.distributed import init_distributed
+        from meshspeed.process.distributed import init_distributed
 
         init_distributed()
 

@@ -321,7 +321,7 @@ class Recorder(TorchDispatchMode):
     def _scratch_storage(self, nbytes: int) -> torch.UntypedStorage:
         """One buffer, reused by every random op's scratch run while recording (freeing
         and reallocating one per op would leave the heap fragmented, see
-        Note [a fixed mmap threshold for CPU training] in meshspeed/runtime/malloc.py)."""
+        Note [a fixed mmap threshold for CPU training] in meshspeed/process/malloc.py)."""
         if self._scratch is None or self._scratch.nbytes() < nbytes:
             self.held_bytes -= 0 if self._scratch is None else self._scratch.nbytes()
             self._scratch = None

@@ -158,9 +158,10 @@ def test_a_bad_data_iterator_fails_every_stage(kind):
 
 def _topology_worker():
     from meshspeed.pipe import PipeModelDataParallelTopology
+    from meshspeed.pipe import PipelineModule as DeepSpeedPipelineModule
 
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
-    net = PipelineModule(_specs(), topology=topo, loss_fn=nn.MSELoss())
+    net = DeepSpeedPipelineModule(_specs(), topology=topo, loss_fn=nn.MSELoss())
     try:
         meshspeed.initialize(model=net, config=dict(CFG))
     except ConfigError as err:

@@ -1,4 +1,4 @@
-"""`meshspeed pipeline-plot` (meshspeed/parallel/pipeline/plot.py): a recorded timeline's
+"""`meshspeed pipeline-plot` (meshspeed/tools/pipeline_plot.py): a recorded timeline's
 JSON drawn as a PNG, clear errors for files that are not one, the simulated (planned)
 schedule, and a real two-stage run drawn end to end."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from meshspeed.cli import main as cli_main
-from meshspeed.parallel.pipeline import plot
+from meshspeed.tools import pipeline_plot as plot
 from meshspeed.parallel.pipeline.schedule import build, simulate
 from meshspeed.parallel.pipeline.timeline import Span, from_simulation, to_json
 

@@ -1,0 +1,28 @@
+"""`deepspeed.comm`: DeepSpeed's communication module, over meshspeed.comm (the collectives)
+and meshspeed.process.distributed (starting and ending the process group).
+
+Every name of meshspeed.comm is here too (`deepspeed.comm.all_reduce`, `get_rank`, ...);
+what DeepSpeed adds is the process-group life cycle under its names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from meshspeed import comm as _comm
+from meshspeed.comm import *  # noqa: F403 - DeepSpeed's comm names are meshspeed's collectives
+from meshspeed.comm import __all__ as _collectives
+from meshspeed.process.distributed import get_local_rank, init_distributed
+
+__all__ = [*_collectives, "destroy_process_group", "get_local_rank", "init_distributed"]
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """End the default process group (or `group`), as torch.distributed does."""
+    if dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
+def __getattr__(name: str) -> Any:
+    return getattr(_comm, name)

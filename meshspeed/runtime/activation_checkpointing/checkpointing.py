@@ -1,6 +1,0 @@
-"""DeepSpeed's `deepspeed.runtime.activation_checkpointing.checkpointing`: the names of
-`meshspeed.checkpointing` (see there)."""
-
-# this module is an alias of that one: every public name, and the same objects
-from meshspeed.checkpointing import *
-from meshspeed.checkpointing import __all__  # noqa: F401

@@ -1,0 +1,1 @@
+"""Command-line tools over the library: `meshspeed pipeline-plot` (pipeline_plot.py)."""
