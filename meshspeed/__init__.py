@@ -17,17 +17,17 @@ install_meshspeed_names()  # Note [DeepSpeed's paths]: meshspeed.zero, meshspeed
 
 # public name -> (module, attribute)
 _LAZY = {
-    "initialize": ("meshspeed.engine.build", "initialize"),
+    "initialize": ("meshspeed.compat.api", "initialize"),
     "MeshspeedEngine": ("meshspeed.engine.engine", "MeshspeedEngine"),
-    "DeepSpeedEngine": ("meshspeed.engine.engine", "MeshspeedEngine"),
+    "DeepSpeedEngine": ("meshspeed.compat.deepspeed.runtime.engine", "DeepSpeedEngine"),
     "init_distributed": ("meshspeed.process.distributed", "init_distributed"),
     "ConfigError": ("meshspeed.config.errors", "ConfigError"),
     "DivergenceError": ("meshspeed.engine.agreement", "DivergenceError"),
     "estimate_memory": ("meshspeed.planner.estimate", "estimate_memory"),
     "init_inference": ("meshspeed.inference.engine", "init_inference"),
     "apply_tensor_parallel": ("meshspeed.tensor_parallel.apply", "apply_tensor_parallel"),
-    "tp_model_init": ("meshspeed.tensor_parallel.deepspeed_api", "tp_model_init"),
-    "set_autotp_mode": ("meshspeed.tensor_parallel.deepspeed_api", "set_autotp_mode"),
+    "tp_model_init": ("meshspeed.compat.api", "tp_model_init"),
+    "set_autotp_mode": ("meshspeed.compat.api", "set_autotp_mode"),
     "zero": ("meshspeed.zero", None),
     "comm": ("meshspeed.comm", None),
     "checkpoint": ("meshspeed.checkpoint", None),

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from meshspeed.config.autotuning import AutotuningConfig
+from meshspeed.config import MeshspeedConfig
 from meshspeed.planner import Choice, plan
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -40,28 +40,30 @@ def _machine_kwargs() -> dict[str, Any]:
             "link": "intra=2GB/s,inter=1GB/s", "latency": {"intra": 5e-5, "inter": 1e-4}}
 
 
-def _degrees(user: dict[str, Any], tune: AutotuningConfig) -> dict[str, int]:
-    tp = int((user.get("tensor_parallel") or {}).get("autotp_size") or tune.mp_size or 1)
-    pp = int((user.get("pipeline") or {}).get("stages") or 1)
-    cp = int(user.get("sequence_parallel_size") or 1)
-    return {"tp": tp, "pp": pp, "cp": cp, "ep": 1}
+def degrees(parsed: MeshspeedConfig) -> dict[str, int]:
+    """The model-parallel degrees the user's config fixes (autotuning.mp_size when it
+    gives no tensor_parallel size); the tuner keeps them."""
+    tp = parsed.tensor_parallel.size if parsed.tensor_parallel.size > 1 else (parsed.autotuning.mp_size or 1)
+    pp = parsed.pipeline.stages if isinstance(parsed.pipeline.stages, int) else 1
+    return {"tp": tp, "pp": pp, "cp": parsed.sequence.size, "ep": 1}
 
 
-def rank_layouts(model: dict[str, Any], user: dict[str, Any], tune: AutotuningConfig, *, nproc: int,
+def rank_layouts(model: dict[str, Any], parsed: MeshspeedConfig, *, nproc: int,
                  global_batch: int, seq_len: int, precision: str, top_k: int, seed: int = 0) -> list[Choice]:
     """The top_k layouts to try, best predicted first: the parallel degrees stay the
     user's (tp/pp/cp only when the config already asks for them); ZeRO stage, micro-batch
     and accumulation vary, offload only on a GPU, activation checkpointing only when the
     config has an activation_checkpointing block (the script then checkpoints its blocks)."""
-    degrees = _degrees(user, tune)
+    tune = parsed.autotuning
+    fixed = degrees(parsed)
     p = plan(model, nproc, machine_memory(nproc), global_batch=global_batch, seq_len=seq_len,
              precision=precision, gpus_per_node=nproc,
              offloads=(None, "cpu") if torch.cuda.is_available() else (None,),
-             checkpointing=(False, True) if "activation_checkpointing" in user else (False,),
+             checkpointing=(False, True) if "activation_checkpointing" in parsed.model_fields_set else (False,),
              **_machine_kwargs())
     lo, hi = tune.min_train_micro_batch_size_per_gpu, tune.max_train_micro_batch_size_per_gpu
     ranked = [ch for ch in p.candidates
-              if all(getattr(ch.candidate, k) == v for k, v in degrees.items())
+              if all(getattr(ch.candidate, k) == v for k, v in fixed.items())
               and lo <= ch.candidate.micro_batch <= hi]
     if tune.tuner_type == "random":
         random.Random(seed).shuffle(ranked)

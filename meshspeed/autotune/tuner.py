@@ -16,15 +16,12 @@ from typing import Any
 from meshspeed.autotune import space, trial
 from meshspeed.autotune.report import Trial, write
 from meshspeed.autotune.trial import TuneError
-from meshspeed.config import load_config
+from meshspeed.config import MeshspeedConfig, load_config
 from meshspeed.planner.model_spec import PlanModel
 
 
-def _precision(user: dict[str, Any]) -> str:
-    for p in ("bf16", "fp16"):
-        if (user.get(p) or user.get("bfloat16" if p == "bf16" else p) or {}).get("enabled"):
-            return p
-    return "fp32"
+def _precision(parsed: MeshspeedConfig) -> str:
+    return "bf16" if parsed.bf16.enabled else "fp16" if parsed.fp16.enabled else "fp32"
 
 
 def _probe(script: str, args: list[str], user: dict, exps: Path, timeout: float | None) -> dict[str, Any]:
@@ -59,7 +56,8 @@ def autotune(script: str, script_args: list[str], *, config: str | None = None, 
     if not Path(config).is_file():
         raise TuneError(f"config {config!r} is not a file")
     user = json.loads(Path(config).read_text())
-    tune = load_config({k: v for k, v in user.items() if k == "autotuning"}).autotuning
+    parsed = load_config(user, dp_world_size=None)  # parsed once; `user` is what trials edit
+    tune = parsed.autotuning
     start, end = tune.start_profile_step, tune.end_profile_step
     if steps is not None:
         if steps <= start:
@@ -80,18 +78,18 @@ def autotune(script: str, script_args: list[str], *, config: str | None = None, 
     seq = seq_len or facts.get("seq_len") or facts["model_config"].get("max_seq_len")
     if not seq:
         raise TuneError("the sequence length is unknown (the probe saw no forward); give --seq-len")
-    tp_pp_cp = max(1, int((user.get("tensor_parallel") or {}).get("autotp_size") or tune.mp_size)) * \
-        int((user.get("pipeline") or {}).get("stages") or 1) * int(user.get("sequence_parallel_size") or 1)
+    degrees = space.degrees(parsed)
+    tp_pp_cp = degrees["tp"] * degrees["pp"] * degrees["cp"]
     if nproc % tp_pp_cp:
         raise TuneError(f"--nproc {nproc} is not a multiple of the config's model-parallel degrees ({tp_pp_cp})")
-    base = load_config({k: v for k, v in user.items() if k != "autotuning"}, dp_world_size=nproc // tp_pp_cp)
+    base = load_config(parsed, dp_world_size=nproc // tp_pp_cp)
     batch = base.train_batch_size
     if batch < tune.min_train_batch_size or (tune.max_train_batch_size and batch > tune.max_train_batch_size):
         raise TuneError(f"train_batch_size {batch} is outside autotuning's [min_train_batch_size, "
                         f"max_train_batch_size] = [{tune.min_train_batch_size}, {tune.max_train_batch_size}]")
     k = top_k or (tune.tuner_num_trials if "tuner_num_trials" in tune.model_fields_set else 3)
-    choices = space.rank_layouts(facts["model_config"], user, tune, nproc=nproc, global_batch=batch,
-                                 seq_len=int(seq), precision=_precision(user), top_k=k)
+    choices = space.rank_layouts(facts["model_config"], parsed, nproc=nproc, global_batch=batch,
+                                 seq_len=int(seq), precision=_precision(parsed), top_k=k)
     if not choices:
         raise TuneError(f"the planner found no layout of this model on {nproc} ranks that fits "
                         f"{space.machine_memory(nproc) / 1e9:.1f} GB each within the autotuning bounds")

@@ -88,8 +88,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
 
     Collective (gathers under ZeRO-3, and the tensor-parallel pieces over the tp group: the
     file holds logical, whole tensors); rank 0 writes. Returns the file's path."""
-    topology = getattr(engine, "topology", None)
-    if topology is not None and topology.size("ep") > 1:  # every rank refuses alike
+    topology = engine.topology
+    if topology.size("ep") > 1:  # every rank refuses alike
         raise CheckpointError(f"save_16bit_model with expert parallelism (ep {topology.size('ep')}): "
                               "each ep rank holds other experts and this version writes rank 0's "
                               "module only; use save_checkpoint (experts saved by global id) and "

@@ -26,6 +26,7 @@ from meshspeed.checkpoint.paths import CLIENT_TENSORS, META, resolve
 from meshspeed.checkpoint.reshard import ReadPlan, SavedTensors, verify_files
 from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers, tp_layout
 from meshspeed.checkpoint.tp_ranges import logical_shape
+from meshspeed.parallel.protocol import RankState, declares
 
 log = logging.getLogger("meshspeed")
 
@@ -162,8 +163,8 @@ def _load_data_position(engine, data: dict) -> None:
     loader = engine.training_dataloader
     sampler = getattr(loader, "sampler", None)
     position = data.get("loader")
-    same_batches = (data.get("dp_size") == engine.dp_world_size
-                    and data.get("micro_batch_size") == engine.train_micro_batch_size_per_gpu())
+    same_batches = (data.get("dp_size") == engine.topology.size("dp")
+                    and data.get("micro_batch_size") == engine.config.train_micro_batch_size_per_gpu)
     if position is not None and same_batches and callable(getattr(loader, "load_state_dict", None)):
         loader.load_state_dict(position)
         return
@@ -172,7 +173,7 @@ def _load_data_position(engine, data: dict) -> None:
                     "size %s, micro-batch %s; at this run's sizes (%d, %d) those are other samples, so "
                     "the loader starts the epoch from its beginning", position["batches"],
                     position["epoch"], data.get("dp_size"), data.get("micro_batch_size"),
-                    engine.dp_world_size, engine.train_micro_batch_size_per_gpu())
+                    engine.topology.size("dp"), engine.config.train_micro_batch_size_per_gpu)
     epoch = data.get("sampler_epoch")
     if epoch is not None and hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
@@ -188,12 +189,12 @@ def _load_data_position(engine, data: dict) -> None:
 # zero and rank 0 says so. (1-bit Adam's error buffers restart at zero on load, as in
 # DeepSpeed: optim/onebit.py.)
 def _load_rank_state(engine, meta: dict, store: SavedTensors, mine: dict | None) -> None:
-    load = getattr(engine.strategy, "load_rank_state", None)
-    if load is None:
+    if not declares(engine.strategy, RankState):
         return
     same_world = meta["layout"]["world_size"] == comm.get_world_size()
     keys = mine.get("rank_state", []) if mine is not None and same_world else []
-    load({k: store.read(mine["file"], f"rank_state/{k}") for k in keys}, engine.global_steps)
+    engine.strategy.load_rank_state({k: store.read(mine["file"], f"rank_state/{k}") for k in keys},
+                                    engine.global_steps)
 
 
 def _client_state(meta: dict, store: SavedTensors) -> Any:
@@ -243,6 +244,6 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         layout = meta["layout"]
         log.info("loaded %s (saved at tp=%d x dp=%d, ZeRO stage %d; now tp=%d x dp=%d, stage %d)",
                  path, layout.get("tp_size", 1), layout["dp_size"], layout["zero_stage"],
-                 tp_layout(engine)[1], engine.dp_world_size, engine.config.zero_stage)
+                 tp_layout(engine)[1], engine.topology.size("dp"), engine.config.zero_stage)
     return path, client_state
 

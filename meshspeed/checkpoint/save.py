@@ -137,7 +137,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_l
     tag = everywhere(check_tag, tag if tag is not None else default_tag(engine.global_steps))
     _agree_on_tag(engine, tag)
     tag = comm.broadcast_object(tag, src=0)
-    gas = engine.gradient_accumulation_steps()
+    gas = engine.config.gradient_accumulation_steps
     if engine.micro_steps % gas and comm.get_rank() == 0:
         log.warning("checkpoint %r is saved %d micro-step(s) into a gradient accumulation window "
                     "of %d: the partly accumulated gradients are not saved", tag,

@@ -53,6 +53,7 @@ from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import capture_rng, encode_client_state
 from meshspeed.checkpoint.metadata import dtype_name, global_meta, param_spec
 from meshspeed.checkpoint.paths import rank_file
+from meshspeed.parallel.protocol import RankState, declares
 from meshspeed.parallel.slices import Deferred, deferred_master, deferred_state
 from meshspeed.topology.shards import shards_by_param
 
@@ -95,8 +96,8 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def tp_layout(engine) -> tuple[int, int, object]:
     """(tp coordinate, tp size, tp group) of this rank; (0, 1, None) without tensor parallelism."""
-    topo = getattr(engine, "topology", None)
-    if topo is None or topo.size("tp") == 1:
+    topo = engine.topology
+    if topo.size("tp") == 1:
         return 0, 1, None
     return topo.coord("tp"), topo.size("tp"), topo.group("tp")
 
@@ -111,7 +112,7 @@ def _with_shards(engine, slices: list) -> list:
         return slices
     tp_rank, tp_size, _ = tp_layout(engine)
     by_name = dict(engine.module.named_parameters())
-    master_of = getattr(engine.strategy, "master_of", {})
+    master_of = engine.strategy.master_of
     by_master = {id(master_of[id(p)]): p for p in by_name.values() if id(p) in master_of}
     out = []
     for s in slices:
@@ -188,8 +189,8 @@ def _take(t: torch.Tensor | Deferred, copy: bool) -> torch.Tensor | Deferred:
 def _first_of_stage(engine) -> bool:
     """The rank at data, context and tensor coordinate 0 of a later pipeline stage: it
     saves that stage's persistent buffers (rank 0 saves the first stage's)."""
-    topo = getattr(engine, "topology", None)
-    if topo is None or topo.source != "config" or topo.size("pp") == 1:
+    topo = engine.topology
+    if topo.source != "config" or topo.size("pp") == 1:
         return False
     return all(topo.coord(a) == 0 for a in ("dp", "cp", "tp"))
 
@@ -206,7 +207,7 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
     tensors: dict[str, torch.Tensor | Deferred] = {}
     ranges: dict[str, Any] = {}
     state = engine.optimizer.state
-    skip = engine.checkpoint_skips() if hasattr(engine, "checkpoint_skips") else set()
+    skip = engine.checkpoint_skips()
     params: dict[str, Any] = {}  # Note [a checkpoint of pipeline stages]
     for s in slices:
         # replicas over dp: the strategy's writer; replicas over tp: tp rank 0; a tied
@@ -228,7 +229,7 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
     rng, rng_tensors = capture_rng()
     tensors.update(rng_tensors)
     # Note [rank-local state]: what only this rank holds (e.g. error-feedback residuals)
-    local = engine.strategy.rank_state() if hasattr(engine.strategy, "rank_state") else {}
+    local = engine.strategy.rank_state() if declares(engine.strategy, RankState) else {}
     tensors.update({f"rank_state/{k}": v for k, v in local.items()})
     buffers: dict[str, torch.Tensor] = {}
     if rank == 0 or _first_of_stage(engine):

@@ -16,11 +16,12 @@ from torch import nn
 
 from meshspeed.compression.layers import Compressed, Phase
 from meshspeed.config.errors import ConfigError
+from meshspeed.parallel.protocol import StepCallback
 
 log = logging.getLogger("meshspeed")
 
 
-class compression_scheduler:  # DeepSpeed's (lower-case) name, which scripts import
+class compression_scheduler(StepCallback):  # DeepSpeed's (lower-case) name, which scripts import
     """Steps the techniques of every compressed layer in `model`."""
 
     def __init__(self, model: nn.Module, compression_config: Any):
@@ -62,14 +63,3 @@ class compression_scheduler:  # DeepSpeed's (lower-case) name, which scripts imp
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.training_steps = int(state["training_steps"])
         self.check_all_modules()
-
-
-def engine_scheduler(module: nn.Module, config, tp_size: int) -> compression_scheduler | None:
-    """The engine's scheduler: None when the config asks for no compression technique."""
-    if not config.compression_training.enabled_techniques():
-        return None
-    if tp_size > 1:
-        raise ConfigError("compression_training with tensor_parallel size > 1 is not supported: "
-                          "the compressed layers' masks and scales are not split by tensor "
-                          "parallelism; train compression without tensor parallelism")
-    return compression_scheduler(module, config.compression_training)

@@ -22,17 +22,20 @@ ConfigSource = str | Path | dict[str, Any] | MeshspeedConfig | None
 
 
 def load_config(
-    config: ConfigSource = None, *, dp_world_size: int = 1, dp_source: str = "default"
+    config: ConfigSource = None, *, dp_world_size: int | None = 1, dp_source: str = "default"
 ) -> MeshspeedConfig:
     """Validate a DeepSpeed-format config and derive the batch triad.
 
     `config` is a path to a JSON file, a dict, an existing `MeshspeedConfig` (re-checked
     against this `dp_world_size`) or None (all defaults). `dp_world_size` is the
     data-parallel world size and `dp_source` says how it was found, for error messages.
+    With `dp_world_size=None` the config is parsed once, before the data-parallel size is
+    known (`initialize` reads the mesh's degrees from it): the batch numbers the user gave
+    are kept as given and the triad is derived by a second call with the parsed config.
     Raises `ConfigError` listing every problem, one per line.
     """
     if isinstance(config, MeshspeedConfig):
-        return _recheck(config, dp_world_size, dp_source)
+        return config if dp_world_size is None else _recheck(config, dp_world_size, dp_source)
     raw = _read(config)
     checked = check_keys(raw, MeshspeedConfig)
     problems = list(checked.problems)
@@ -41,10 +44,13 @@ def load_config(
 
     given = {k: checked.data.pop(k) for k in BATCH_KEYS if k in checked.data}
     triad: tuple[int, int, int] = (1, 1, 1)  # placeholder so other sections still get checked
-    try:
-        triad = resolve_batch(given, dp_world_size, dp_source)
-    except ConfigError as err:
-        problems.extend(err.problems)
+    if dp_world_size is None:  # parsed before the mesh: the given numbers, derived later
+        triad = tuple(given.get(k, 1) for k in BATCH_KEYS)
+    else:
+        try:
+            triad = resolve_batch(given, dp_world_size, dp_source)
+        except ConfigError as err:
+            problems.extend(err.problems)
     try:
         cfg = MeshspeedConfig.model_validate({**checked.data, **dict(zip(BATCH_KEYS, triad))})
     except ValidationError as err:

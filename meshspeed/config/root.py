@@ -11,6 +11,7 @@ from meshspeed.config.autotuning import AutotuningConfig
 from meshspeed.config.base import Int, NonNegFloat, PositiveFloat, PositiveInt, StrictModel
 from meshspeed.config.checkpoint import CheckpointConfig
 from meshspeed.config.comms import CommDtype, CommsLoggerConfig
+from meshspeed.config.composition import config_features, refusals
 from meshspeed.config.compression import CompressionConfig
 from meshspeed.config.context_parallel import ContextParallelConfig, resolve
 from meshspeed.config.gradient_compression import GradientCompressionConfig
@@ -103,23 +104,11 @@ class MeshspeedConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _compression_where_it_runs(self):
-        gc = self.gradient_compression
-        if gc is None:
-            return self
-        if self.zero_optimization.stage != 0:
-            raise ValueError(
-                f"gradient_compression: runs with data parallelism (zero_optimization.stage 0) "
-                f"only in this version; stage {self.zero_optimization.stage} reduce-scatters "
-                "uncompressed gradients, so drop gradient_compression or use stage 0")
-        if self.fp16.enabled:
-            raise ValueError(
-                "gradient_compression with fp16: the loss scale changes the gradients' scale "
-                "between steps, which the error-feedback residual would carry over; use bf16 or fp32")
-        if self.communication_data_type is not None:
-            raise ValueError(
-                "gradient_compression and communication_data_type both choose how gradients "
-                "travel; give one")
+    def _composes(self):
+        """Note [one composition table]: the pairs a config alone decides."""
+        problems = refusals(config_features(self))
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @model_validator(mode="after")

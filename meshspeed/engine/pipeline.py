@@ -44,92 +44,39 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from typing import Any
-
 import torch
 
 from meshspeed import comm
-from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.checkpoint import engine_api
 from meshspeed.data.loader import RepeatingLoader
-from meshspeed.engine.tied_grads import TiedGrads
+from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.engine.parts import Composed
+from meshspeed.parallel.gather import gathered
 from meshspeed.parallel.pipeline.runtime import run_stage
 from meshspeed.parallel.pipeline.schedule import ScheduleError, build
+from meshspeed.parallel.pipeline.timeline import Span
 
 
 class PipelineError(RuntimeError):
     """A pipelined engine used like a plain one, or a batch that cannot run."""
 
 
-def check_pipeline(model, cfg) -> None:
-    """What initialize checks of a pipelined run before building anything."""
-    from meshspeed.config import ConfigError
-    from meshspeed.parallel.pipeline.module import PipelineModule
-
-    if not isinstance(model, PipelineModule):
-        raise ConfigError([f"a pipelined layout needs a PipelineModule, got {type(model).__name__}"])
-    pipe, v = cfg.pipeline, model.virtual_stages
-    mp = model.model_parallel_size  # DeepSpeed's topology's "model" axis, None without one
-    if mp and mp != cfg.tensor_parallel.size:
-        raise ConfigError([(f"PipelineModule topology has a model axis of {mp}, but "
-                           f"tensor_parallel.autotp_size is {cfg.tensor_parallel.size}: meshspeed splits a "
-                           f"stage's layers itself; set \"tensor_parallel\": {{\"autotp_size\": {mp}}} or "
-                           "use PipeDataParallelTopology")])
-    if pipe.schedule == "interleaved":
-        if v < 2:
-            raise ConfigError([(f"pipeline.schedule \"interleaved\" needs model chunks on each stage: build "
-                               f"PipelineModule(..., virtual_stages={max(2, pipe.virtual_stages)}) "
-                               "(the layers are cut into stages x virtual_stages runs)")])
-        if "virtual_stages" in pipe.model_fields_set and pipe.virtual_stages != v:
-            raise ConfigError([(f"pipeline.virtual_stages: {pipe.virtual_stages}, but the PipelineModule was "
-                               f"built with virtual_stages={v}; make them equal or drop the key")])
-    elif v > 1:
-        raise ConfigError([(f"PipelineModule(virtual_stages={v}) runs only under pipeline.schedule "
-                           f"\"interleaved\", the config says {pipe.schedule!r}")])
-    if model.loss_fn is None:
-        raise ConfigError([("PipelineModule(loss_fn=None): the last stage computes the loss of each "
-                           "micro-batch; pass loss_fn=... (e.g. torch.nn.CrossEntropyLoss())")])
-    m = cfg.gradient_accumulation_steps
-    try:
-        build(pipe.schedule, m, model.num_stages, v)
-    except ScheduleError as err:
-        raise ConfigError([(f"pipeline.schedule {pipe.schedule!r}: {err} (the micro-batches of a batch "
-                           f"are gradient_accumulation_steps = {m})")]) from err
-    if cfg.zero_optimization.offload_optimizer is not None and \
-            cfg.zero_optimization.offload_optimizer.device == "nvme" and model.tied_stages() and \
-            any(len(s) > 1 for s in model.tied_stages().values()):
-        raise ConfigError([("tied layers across pipeline stages with offload_optimizer.device \"nvme\": "
-                           "their gradients are summed over the stages in memory; use \"cpu\"")])
-
-
 class PipelineEngine(MeshspeedEngine):
     """What `meshspeed.initialize` returns for a PipelineModule with more than one stage."""
 
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
+    def __init__(self, parts: Composed):
+        super().__init__(parts)
         topo = self.topology
         self.pp_group = topo.group("pp")
         self.num_stages = topo.size("pp")
         self.stage_id = topo.coord("pp")
-        self._stage_groups = [self.pp_group]
-        self._agree_over.append(self.pp_group)
-        pipe = self.config.pipeline
-        self.schedule = pipe.schedule
+        self.schedule = self.config.pipeline.schedule
         self.virtual_stages = self.module.virtual_stages
         self._split_passes = self.schedule in ("interleaved", "zb-h1")
-        self._tied: TiedGrads | None = None
         self._data_iterator: Iterator | None = None
         self.timeline: list | None = None  # set to [] to record the executed schedule
         self.record_timeline = False  # record each train_batch's spans (gather_timeline())
         self.agg_train_loss: torch.Tensor | None = None
-
-    def attach_tied(self, tied: TiedGrads) -> None:
-        """The tied layers' groups, made (and their copies made equal) before the strategy."""
-        self._tied = tied
-        self._norm_skip = tied.duplicates(self.strategy.master_of)
-
-    def checkpoint_skips(self) -> set[int]:
-        """Masters a checkpoint leaves out: tied copies off their first stage (saved there)."""
-        return set(self._norm_skip)
 
     # -- DeepSpeed's pipeline API --------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -167,12 +114,14 @@ class PipelineEngine(MeshspeedEngine):
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() under torch.no_grad(): gradients are needed; use "
                                 "eval_batch() to evaluate")
+        if self.module.loss_fn is None:
+            raise PipelineError("train_batch() with PipelineModule(loss_fn=None): the last stage computes "
+                                "each micro-batch's loss with it; pass loss_fn=... (e.g. "
+                                "torch.nn.CrossEntropyLoss()), or use eval_batch(compute_loss=False)")
         if self.config.checkpoint.async_save:
-            from meshspeed.checkpoint.engine_api import raise_pending_errors
-
-            raise_pending_errors(self)
+            engine_api.raise_pending_errors(self)
         self.module.train()
-        m = int(self.gradient_accumulation_steps)
+        m = self.config.gradient_accumulation_steps
         inputs, targets = self._read_batch(data_iter, m, "train_batch")
         self._observer.begin_batch(inputs)  # monitors, flops_profiler (engine/observe.py)
         if self.record_timeline:
@@ -183,7 +132,7 @@ class PipelineEngine(MeshspeedEngine):
         self._observer.on_loss(self.agg_train_loss)
         self._last_loss = self.agg_train_loss  # before the step: its log line prints this batch's
         self.micro_steps += m
-        self.global_samples += self.train_batch_size()
+        self.global_samples += self.config.train_batch_size
         self._step_applied = False
         self._apply_step()
         return self.agg_train_loss
@@ -198,7 +147,7 @@ class PipelineEngine(MeshspeedEngine):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): \"avg\" or None")
         was_training = self.module.training
         self.module.eval()
-        m = num_micro_batches or int(self.gradient_accumulation_steps)
+        m = num_micro_batches or self.config.gradient_accumulation_steps
         try:
             inputs, targets = self._read_batch(data_iter, m, "eval_batch", need_targets=compute_loss)
             outputs: list | None = [] if return_logits and self.is_last_stage() else None
@@ -241,7 +190,7 @@ class PipelineEngine(MeshspeedEngine):
                            loss_scale=self.loss_scaler.scale, grad_pass=self._grad_pass,
                            timeline=self.timeline, **kwargs)
         if self._split_passes:  # Note [micro-steps of a pipelined batch]
-            self.strategy.begin_micro_step(True)
+            self._begin_micro_step(True)
             self.strategy.finish_backward()
         return losses
 
@@ -250,19 +199,13 @@ class PipelineEngine(MeshspeedEngine):
         """Around each action that accumulates parameter gradients (Note [micro-steps of a
         pipelined batch])."""
         if self._split_passes:
-            token = None
-            if kind == "W" and self.strategy.shards_params:
-                # Note [ZB-H1's weight pass under ZeRO-3]
-                token = self.strategy.gather_for_user(list(self.module.parameters()))
-            try:
+            whole = kind == "W" and self.strategy.shards_params  # Note [ZB-H1's weight pass under ZeRO-3]
+            with gathered(list(self.module.parameters()), enabled=whole):
                 yield
-            finally:
-                if token is not None:
-                    self.strategy.release_for_user(token)
             self.strategy.finish_backward()  # releases gathered stage-3 parameters; no reduction
             self.strategy.hold_reductions()
             return
-        self.strategy.begin_micro_step(last)
+        self._begin_micro_step(last)
         yield
         self.strategy.finish_backward()
 
@@ -270,8 +213,6 @@ class PipelineEngine(MeshspeedEngine):
         """The last recorded batch's spans of every stage (`record_timeline = True` before
         train_batch), on every rank: a collective over the world. Each stage's spans are
         those of its first rank (data, context and tensor coordinate 0)."""
-        from meshspeed.parallel.pipeline.timeline import Span
-
         mine = None
         if all(self.topology.coord(a) == 0 for a in ("dp", "cp", "tp")):
             mine = (self.stage_id, [tuple(s) for s in (self.timeline or [])])
@@ -280,10 +221,6 @@ class PipelineEngine(MeshspeedEngine):
             if item is not None:
                 rows[item[0]] = [Span(*s) for s in item[1]]
         return rows
-
-    def _reduce_tied(self) -> None:
-        if self._tied is not None and self._tied.active:  # Note [summing tied gradients over stages]
-            self._tied.sum_grads(self.strategy, self.topology.coord("dp"))
 
     def _read_batch(self, data_iter, m: int, what: str, need_targets: bool = True):
         """Both ends of the pipeline read the micro-batches, before any compute (Note [a batch
@@ -332,8 +269,9 @@ class PipelineEngine(MeshspeedEngine):
         """The last stage's mean over micro-batches, averaged over dp, sent to every stage."""
         loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0, dtype=torch.float32,
                             device=self.device)
-        if self.is_last_stage() and self.dp_world_size > 1:
+        dp = self.topology.size("dp")
+        if self.is_last_stage() and dp > 1:
             comm.all_reduce(loss, group=self.dp_group)
-            loss /= self.dp_world_size
+            loss /= dp
         comm.broadcast(loss, src=self.num_stages - 1, group=self.pp_group)
         return loss

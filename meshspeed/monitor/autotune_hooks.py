@@ -110,8 +110,8 @@ class StepClock:
 
             rank = comm.get_rank() if comm.is_initialized() else 0
             figures = {"rank": rank, "step_seconds": seconds,
-                       "samples_per_second": engine.train_batch_size() / seconds,
-                       "train_batch_size": engine.train_batch_size(),
+                       "samples_per_second": engine.config.train_batch_size / seconds,
+                       "train_batch_size": engine.config.train_batch_size,
                        "peak_memory_bytes": _peak_bytes(engine.device),
                        "steps": [self.start, self.end]}
             Path(f"{self.prefix}.rank{rank}.json").write_text(json.dumps(figures) + "\n")

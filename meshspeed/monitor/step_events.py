@@ -75,14 +75,14 @@ class StepFigures:
         out: list[Event] = []
         if self.losses:
             out.append(("Train/Samples/train_loss", float(torch.stack(self.losses).mean()), step))
-        out.append(("Train/Samples/lr", float(engine.get_lr()[0]), step))
+        out.append(("Train/Samples/lr", float(engine.learning_rates()[0]), step))
         out.append(("Train/Samples/loss_scale", float(engine.loss_scale), step))
-        if engine.get_global_grad_norm() is not None:
-            out.append(("Train/Samples/grad_norm", float(engine.get_global_grad_norm()), step))
+        if engine.grad_norm is not None:
+            out.append(("Train/Samples/grad_norm", float(engine.grad_norm), step))
         if seconds > 0:
             out.append(("Train/Samples/samples_per_second", samples / seconds, step))
             if self.tokens:
-                tokens = self.tokens * engine.dp_world_size
+                tokens = self.tokens * engine.topology.size("dp")
                 out.append(("Train/Samples/tokens_per_second", tokens / seconds, step))
         out += [(f"Train/Memory/peak_bytes_rank{r}", float(b), step) for r, b in enumerate(peaks)]
         self.losses, self.tokens, self.started = [], 0, None

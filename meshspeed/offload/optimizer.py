@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from meshspeed.offload.state import SubGroup, split_sub_groups
+from meshspeed.parallel.protocol import Closeable
 
 
 class BackgroundStep:
@@ -64,7 +65,7 @@ class _Work:
     grads: list[torch.Tensor]  # their gradients, in order
 
 
-class OffloadOptimizer(torch.optim.Optimizer):
+class OffloadOptimizer(torch.optim.Optimizer, Closeable):
     """A torch-compatible optimizer whose state lives in a host or NVMe store.
 
     `template` is the optimizer the config would build without offload (it supplies the

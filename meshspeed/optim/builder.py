@@ -108,40 +108,74 @@ def _fusable(groups: list[dict]) -> bool:
         and p.device.type in ("cpu", "cuda") for p in params)
 
 
-def master_groups(
-    model_parameters: Iterable | None, module: nn.Module, master_of: dict[int, nn.Parameter]
-) -> list[dict]:
-    """The user's parameter groups with each parameter replaced by its master tensor.
+# Note [model_parameters by name]
+# Users list the parameters to train before initialize: a generator, a filtered list,
+# `filter(...)`, or param-group dicts (weight-decay groups, as Hugging Face and
+# DeepSpeed-Chat build them), or an optimizer built on them. Several axes then replace the
+# model's parameters: tensor parallelism swaps a split layer's Parameters for its shards,
+# a PipelineModule may rebuild its stage at initialize, zero.Init's placeholders are
+# rebuilt into units. So the selection is recorded by the parameters' names in the model
+# before anything is applied (`ParamSelection.capture`) and resolved against the model's
+# parameters afterwards (`groups`): names do not change under any axis (tp keeps each
+# layer's `weight` / `bias`, a pipeline stage registers layers under their global index).
+# A selection that named every trainable parameter means "the whole model", and resolves
+# to every trainable parameter of the rewritten module, including layers a pipeline rebind
+# placed on this stage since; a narrower selection keeps exactly its names (a name whose
+# layer left this stage is dropped). A tensor that is no parameter of the model is an error.
 
-    Group options (lr, weight_decay, ...) are kept; frozen parameters are left out."""
-    source = list(module.parameters()) if model_parameters is None else list(model_parameters)
-    if source and isinstance(source[0], dict):
-        raw_groups = source
-    else:
-        raw_groups = [{"params": source}]
-    groups = []
-    for group in raw_groups:
-        params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        unknown = [p for p in params if id(p) not in master_of]
-        if unknown:
-            raise ValueError(
-                f"model_parameters holds {len(unknown)} tensor(s) that are not parameters of the "
-                f"model passed to initialize (first has shape {tuple(unknown[0].shape)})"
-            )
-        masters = [master_of[id(p)] for p in params if p.requires_grad]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
-    return groups
+
+class ParamSelection:
+    """The user's parameter groups by parameter name (Note [model_parameters by name])."""
+
+    def __init__(self, groups: list[tuple[dict, list[str]]], whole: bool):
+        self._groups, self.whole = groups, whole
+
+    @classmethod
+    def capture(cls, model_parameters: Iterable | None, module: nn.Module) -> ParamSelection:
+        names = {id(p): n for n, p in module.named_parameters()}
+        if model_parameters is None:
+            return cls([({}, [n for n, p in module.named_parameters() if p.requires_grad])], whole=True)
+        source = list(model_parameters)
+        raw = source if source and isinstance(source[0], dict) else [{"params": source}]
+        groups = []
+        for group in raw:
+            params = group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            unknown = [p for p in params if id(p) not in names]
+            if unknown:
+                raise ValueError(
+                    f"model_parameters holds {len(unknown)} tensor(s) that are not parameters of the "
+                    f"model passed to initialize (first has shape {tuple(unknown[0].shape)})")
+            options = {k: v for k, v in group.items() if k != "params"}
+            groups.append((options, [names[id(p)] for p in params if p.requires_grad]))
+        named = {n for _, group_names in groups for n in group_names}
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        return cls(groups, whole=bool(trainable) and trainable <= named)
+
+    def groups(self, module: nn.Module, master_of: dict[int, nn.Parameter]) -> list[dict]:
+        """The groups over the rewritten `module`'s master tensors; group options (lr,
+        weight_decay, ...) kept, frozen parameters left out."""
+        by_name = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        out, placed = [], set()
+        for options, names in self._groups:
+            params = [by_name[n] for n in names if n in by_name and n not in placed]
+            placed.update(n for n in names if n in by_name)
+            out.append({**options, "params": [master_of[id(p)] for p in params]})
+        rest = [p for n, p in by_name.items() if n not in placed]
+        if self.whole and rest:  # the whole model: layers new on this stage join the first group
+            out[0]["params"] += [master_of[id(p)] for p in rest]
+        return out
 
 
 def adopt_client_optimizer(
-    optimizer: torch.optim.Optimizer | Callable, groups: list[dict], master_of: dict[int, nn.Parameter]
+    optimizer: torch.optim.Optimizer | Callable, groups: list[dict]
 ) -> torch.optim.Optimizer:
-    """Use a user-built optimizer (or factory) on the master tensors instead of the params."""
+    """Use a user-built optimizer (or factory) on the master tensors instead of the params:
+    `groups` are its own param groups resolved by name (Note [model_parameters by name])."""
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer(groups)
     if optimizer.state:
         raise ValueError("pass the optimizer to initialize() before its first step (its state is not empty)")
-    for group in optimizer.param_groups:
-        group["params"] = [master_of[id(p)] for p in group["params"] if p.requires_grad]
+    for group, resolved in zip(optimizer.param_groups, groups):
+        group["params"] = resolved["params"]
     return optimizer

@@ -16,7 +16,7 @@ def global_grad_norm(grads: list[torch.Tensor], groups: Sequence[Any] = (),
                      norms: torch.Tensor | None = None,
                      weights: Sequence[float] | None = None) -> torch.Tensor:
     """L2 norm of all gradients. `groups`: the groups over which ranks hold disjoint slices
-    of the gradients (the strategy's `grad_norm_groups()`); the squares are summed over
+    of the gradients (`StepGradients.groups`, parallel/step.py); the squares are summed over
     each, one scalar all-reduce per group, on `device`: the backend's device, which for
     NCCL is the GPU even when offloaded gradients live on the host. Empty: every rank
     holds all gradients, no collective. `norms`: the gradients' own L2 norms, taken where

@@ -49,7 +49,7 @@ def unscale_and_check(grads: list[torch.Tensor], scale: float, groups=(),
 
     With replicated gradients (`groups` empty) every rank sees the same values, so no
     collective is needed; with gradients sharded over `groups` (the strategy's
-    `grad_norm_groups()`), one scalar all-reduce (max) per group makes every rank skip
+    `StepGradients.groups`), one scalar all-reduce (max) per group makes every rank skip
     together. `local`: inf/NaN already seen in gradients checked elsewhere (files)."""
     if scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / scale)

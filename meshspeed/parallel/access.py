@@ -30,6 +30,7 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.parallel import registry
+from meshspeed.parallel.protocol import Strategy, declares
 from meshspeed.parallel.slices import ParamAccess
 
 __all__ = [
@@ -105,13 +106,12 @@ def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, opti
 
 def _access(param: nn.Parameter, writing: bool = False) -> ParamAccess | None:
     owner = registry.owner_of(param)
-    get = getattr(owner, "param_access", None)  # zero.Init's slices (before initialize) have none
-    if get is None:
+    if not declares(owner, Strategy):  # none, or zero.Init's slices before initialize
         if writing:
             raise ValueError("this parameter belongs to no model wrapped by meshspeed.initialize: it has "
                              "no fp32 master weights or optimizer state to write")
         return None
-    return get(param)
+    return owner.param_access(param)
 
 
 def _assemble(access: ParamAccess, local: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from meshspeed.topology import Topology
-from meshspeed.topology.mesh import group_from_layout
 
 
 def hybrid_layouts(cp_groups: list[list[int]], ulysses_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -30,4 +29,5 @@ def hybrid_groups(topology: Topology, ulysses_size: int) -> tuple[dist.ProcessGr
     """This rank's (all-to-all group, ring group). Collective over the world the first
     time (every rank creates every group, in the same order)."""
     ulysses, ring = hybrid_layouts(topology.dims.groups("cp"), ulysses_size)
-    return group_from_layout(ulysses), group_from_layout(ring)
+    return (topology.subgroup(f"cp all-to-all ({ulysses_size})", ulysses),
+            topology.subgroup(f"cp ring ({ulysses_size})", ring))

@@ -164,14 +164,3 @@ def _parts(shape: list, module: nn.Module, name: str, where: str,
                         f"not its {out} outputs")
         return None
     return parts
-
-
-def tensor_parallel_options(section: dict | None) -> dict:
-    """DeepSpeed's `tensor_parallel` section -> {"size", "sequence_parallel", "overlap_comm",
-    "partition_config"} (the keys the engine hands to apply_tensor_parallel)."""
-    section = dict(section or {})
-    size = section.get("autotp_size") or section.get("tp_size") or \
-        (section.get("tp") or {}).get("tp_size") or 1
-    return {"size": int(size), "sequence_parallel": bool(section.get("sequence_parallel", False)),
-            "overlap_comm": bool(section.get("tp_overlap_comm", False)),
-            "partition_config": section.get("partition_config")}

@@ -5,6 +5,13 @@ Everything here is collective: every rank of the default process group must call
 ``Topology`` is handed to the engine, which passes each strategy and layer the groups it
 needs; no code looks a group up from anywhere but the Topology it was given.
 
+Note [sub-axis groups]
+Some groups are not an axis of the mesh: the two sub-axes of a hybrid sequence mesh,
+ZeRO++'s node groups (hpZ's secondary partition, qgZ's two hops), the stages sharing a
+tied layer. They are still the mesh's: `topology.subgroup(name, layout)` makes them on
+the Topology the engine holds, once per name (a layout already made under another name
+reuses its groups), and `str(engine.mesh)` lists them with the axes.
+
 Note [one mesh per layout]
 Building a mesh creates process groups (a collective, and sockets on gloo), and a process
 may call `meshspeed.initialize` many times (tests, notebooks, a second model). So
@@ -60,6 +67,7 @@ class Topology:
         self.rank = rank
         self.source = source  # "config" or "mpu": where the layout came from
         self._groups = dict(groups)
+        self._sub: dict[str, tuple[tuple, dist.ProcessGroup | None]] = {}  # Note [sub-axis groups]
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank on ``axis`` (any of ``degrees.AXES``)."""
@@ -100,8 +108,41 @@ class Topology:
                              "DeviceMesh (use .group(axis))")
         return self.mesh[axis]
 
+    def subgroup(self, name: str, layout: list[list[int]]) -> dist.ProcessGroup | None:
+        """This rank's group of `layout` (a partition of ranks into groups, the same list on
+        every rank), None if it is in none; recorded under `name` (Note [sub-axis groups]).
+        Collective over the world the first time a name is asked for."""
+        key = tuple(tuple(sorted(g)) for g in layout)
+        if name in self._sub:
+            if self._sub[name][0] != key:
+                raise ValueError(f"sub-axis group {name!r} was made with another layout")
+            return self._sub[name][1]
+        same = next((group for known, group in self._sub.values() if known == key), None)
+        if same is None and not any(known == key for known, _ in self._sub.values()):
+            for ranks in key:  # every rank creates every group, in this order
+                group = dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    same = group
+        self._sub[name] = (key, same)
+        return same
+
+    def subgroups(self) -> dict[str, list[int] | None]:
+        """Every sub-axis group made so far: name -> this rank's ranks in it (None: in none)."""
+        return {name: next((list(g) for g in key if self.rank in g), None)
+                for name, (key, _) in self._sub.items()}
+
     def __repr__(self) -> str:
         return f"Topology(rank {self.rank} of {self.dims})"
+
+    def __str__(self) -> str:
+        """The layout and every group of this rank: `print(engine.mesh)`."""
+        lines = [repr(self)]
+        for axis in (*MESH_DIM_NAMES, *DERIVED_AXES):
+            if self.size(axis) > 1:
+                lines.append(f"  {axis:<6} {self.ranks(axis)}")
+        for name, ranks in self.subgroups().items():
+            lines.append(f"  {name:<6} {ranks if ranks is not None else '(not in one)'}")
+        return "\n".join(lines)
 
 
 _built: dict[tuple, Topology] = {}  # Note [one mesh per layout]
@@ -145,27 +186,3 @@ def _derived_group(dims: ParallelDims, axis: str, rank: int,
             mine = group
     assert mine is not None, f"rank {rank} is in no {axis} group"
     return mine
-
-
-_extra: dict[tuple, dist.ProcessGroup | None] = {}  # Note [one mesh per layout], for extra groups
-_extra_for: list[int] = []
-
-
-def group_from_layout(layout: list[list[int]]) -> dist.ProcessGroup | None:
-    """This rank's group of `layout` (a partition of some ranks into groups, the same list
-    on every rank), or None if it is in none. Collective over the default group the first
-    time a layout is asked for (every rank creates every group, in order); memoised.
-    For groups the mesh does not name, such as the stages sharing a tied layer."""
-    world_pg = dist.group.WORLD
-    if _extra_for != [id(world_pg)]:
-        _extra.clear()
-        _extra_for[:] = [id(world_pg)]
-    key = tuple(tuple(sorted(g)) for g in layout)
-    if key not in _extra:
-        rank, mine = dist.get_rank(), None
-        for ranks in key:
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine = group
-        _extra[key] = mine
-    return _extra[key]

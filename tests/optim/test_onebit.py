@@ -160,7 +160,7 @@ def _resume(path: str, freeze_step: int, block: dict | None = None, split: int =
     engine, opt, *_ = fresh()
     engine.load_checkpoint(path, tag="t")
     taken = opt.steps_taken()
-    return straight, train(engine, batches[split:]), taken, engine.strategy.local_gradients()
+    return straight, train(engine, batches[split:]), taken, engine.strategy._leave_local()
 
 
 def test_checkpoint_resume(tmp_path):

@@ -32,7 +32,7 @@ def _layout(mode):
         "same_group": sp is groups._get_sequence_parallel_group() is engine.get_sequence_parallel_group(),
         "sizes": (engine.sequence_parallel_size, engine.seq_dp_world_size, engine.dp_world_size,
                   groups._get_sequence_parallel_world_size(), groups._get_sequence_data_parallel_world_size()),
-        "mode": engine.context.mode,
+        "mode": engine.config.sequence.mode,
         "zero_group": dist.get_process_group_ranks(engine.strategy.group) if hasattr(engine.strategy, "group")
         else None,
     }

@@ -23,11 +23,11 @@ U = 2  # all-to-all degree; ring degree = 4 / U
 def _cases() -> dict:
     import torch.distributed as dist
 
-    from meshspeed.topology.mesh import group_from_layout
+    from meshspeed.sequence.groups import hybrid_groups
+    from meshspeed.topology import ParallelDims, build_topology
 
     rank = dist.get_rank()
-    ulysses, ring = hybrid_layouts([[0, 1, 2, 3]], U)
-    ug, rg = group_from_layout(ulysses), group_from_layout(ring)
+    ug, rg = hybrid_groups(build_topology(ParallelDims(4, cp=4)), U)
     failures, counts = [], {}
     for causal in (True, False):
         for balanced in (False, True):

@@ -17,8 +17,8 @@ __version__ = meshspeed.__version__
 
 # DeepSpeed's top-level names that are not meshspeed's: name -> (module, attribute)
 _NAMES = {
-    "DeepSpeedEngine": ("meshspeed.engine.engine", "MeshspeedEngine"),
-    "PipelineEngine": ("meshspeed.engine.pipeline", "PipelineEngine"),
+    "DeepSpeedEngine": ("meshspeed.compat.deepspeed.runtime.engine", "DeepSpeedEngine"),
+    "PipelineEngine": ("meshspeed.compat.deepspeed.runtime.pipe.engine", "PipelineEngine"),
 }
 
 

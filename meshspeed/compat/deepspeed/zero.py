@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from meshspeed.parallel.gather import gathered
+from meshspeed.parallel.protocol import ExternalParameters, declares
 from meshspeed.parallel.registry import owner_of
 from meshspeed.parallel.zero import external
 from meshspeed.parallel.zero.ds_params import ZeroParamStatus
@@ -34,9 +35,9 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     Register before `meshspeed.initialize`, e.g. in `module.__init__`; a registration
     after initialize is accepted when no regrouping is needed (the parameter is whole
     whenever `module` runs), and raises otherwise. Stages 0-2 need nothing."""
-    check = getattr(owner_of(parameter), "check_external", None)  # a ZeRO strategy already built
-    if check is not None:
-        check(module, parameter)
+    owner = owner_of(parameter)
+    if declares(owner, ExternalParameters):  # a ZeRO strategy already built
+        owner.check_external(module, parameter)
     external.register(module, parameter)
 
 

@@ -13,13 +13,13 @@ sums the payloads at the step, identically (compress.py).
 
 Note [gradients left local]
 An optimizer that communicates by itself (1-bit Adam after its warm-up, optim/onebit.py)
-sets `local_gradients` to a predicate; while it answers True, buckets are not reduced
+hands `leave_gradients_local` a predicate; while it answers True, buckets are not reduced
 and `.grad` holds this rank's own (accumulated) gradient. It is asked when the boundary
 reduction would start, so its answer may change from one step to the next.
 On such a step the ranks hold different gradients, so the gradient norm and the
-non-finite check are reduced over dp (`grad_norm_groups`), each rank's squares weighted
-1/dp (`grad_norm_weights`): every rank clips by the same coefficient, the root mean
-square of the local norms, and all skip a step together.
+non-finite check are reduced over dp (the step's `groups`), each rank's squares weighted
+1/dp (its `weights`): every rank clips by the same coefficient, the root mean square of
+the local norms, and all skip a step together.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ from meshspeed.parallel.data.compress import (
     compressed_bucket,
 )
 from meshspeed.parallel.experts import ExpertSpec
+from meshspeed.parallel.protocol import LocalGradients, ParameterOwner, RankState, Strategy
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
+from meshspeed.parallel.step import StepGradients
 from meshspeed.parallel.weak import weak_method
 
 log = logging.getLogger("meshspeed")
@@ -65,7 +67,7 @@ class _Bucket(GradViews):
         self.compressed: CompressedBucket | TwoHopBucket | None = None  # set when gradients are compressed
 
 
-class DataParallel:
+class DataParallel(Strategy, ParameterOwner, RankState, LocalGradients):
     """Stage 0. `masters` are the tensors the optimizer steps on (the params in fp32)."""
 
     def __init__(
@@ -108,7 +110,7 @@ class DataParallel:
         self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._launched = False  # this step's reductions were started
         self._averaged = False  # ... and have landed and been averaged
-        self.local_gradients: Callable[[], bool] | None = None  # Note [gradients left local]
+        self._leave_local: Callable[[], bool] | None = None  # Note [gradients left local]
         self._local = False  # this step's gradients were left local
         self.tracker = ReadinessTracker([b.params for b in self.buckets], weak_method(self._launch))
         self._sync_params()
@@ -131,8 +133,11 @@ class DataParallel:
                 self.master_of[id(p)].data.copy_(p.data)
 
     # -- backward -------------------------------------------------------------------------
-    def begin_micro_step(self, boundary: bool) -> None:
+    def begin_micro_step(self, boundary: bool, loss_scale: float = 1.0) -> None:
         self.tracker.arm(boundary)
+
+    def leave_gradients_local(self, when: Callable[[], bool]) -> None:
+        self._leave_local = when
 
     def hold_reductions(self) -> None:
         self.tracker.arm(False)  # gradients accumulate in .grad; the next boundary reduces them
@@ -141,7 +146,7 @@ class DataParallel:
         bucket = self.buckets[index]
         bucket.collect()
         if not self._launched:
-            self._local = self.local_gradients is not None and self.local_gradients()
+            self._local = self._leave_local is not None and self._leave_local()
         self._launched = True
         if self._local:
             return  # Note [gradients left local]
@@ -173,7 +178,7 @@ class DataParallel:
     def _reduced(bucket: _Bucket) -> torch.Tensor:
         return bucket.flat if bucket.reduced is None else bucket.reduced
 
-    def prepare_step(self) -> list[nn.Parameter]:
+    def prepare_step(self) -> StepGradients:
         """Wait for reductions, average, and expose gradients on the master tensors."""
         self._average()
         for bucket in self.buckets:
@@ -181,32 +186,24 @@ class DataParallel:
             for i, p in enumerate(bucket.params):
                 if self.mixed:
                     self.master_of[id(p)].grad = bucket.view(reduced, i).float()
-        return self.masters()
+        spread = self._local or self.experts is not None  # ranks hold different gradients
+        return StepGradients(self.masters(), groups=[self.group] if spread else [],
+                             weights=self._norm_weights if spread else None)
 
     def masters(self) -> list[nn.Parameter]:
         return [self.master_of[id(p)] for p in self.params]
 
-    def grad_norm_groups(self) -> list:
+    def _norm_weights(self, masters: list[nn.Parameter]) -> list[float]:
+        """Per master, the weight of its squared norm in the sum over dp that counts each
+        element once: a dense gradient is replicated over dp (1/dp), an expert gradient
+        over edp only (1/edp); local gradients (Note [gradients left local]) 1/dp each.
+        Without either, every rank holds every reduced gradient and the norm needs no
+        collective (prepare_step gives no groups)."""
         if self._local:
-            return [self.group]  # Note [gradients left local]
-        if self.experts is not None:
-            return [self.group]  # ep ranks hold different experts: see grad_norm_weights
-        return []  # every rank holds every (reduced) gradient: norms need no collective
-
-    def grad_norm_weights(self, masters: list[nn.Parameter]) -> list[float] | None:
-        """Per master, the weight of its squared norm in the sum over `grad_norm_groups()`
-        that counts each element once: a dense gradient is replicated over dp (1/dp), an
-        expert gradient over edp only (1/edp). None: no weights (no collective either)."""
-        if self._local:
-            return [1.0 / self.world] * len(masters)  # Note [gradients left local]
-        if self.experts is None:
-            return None
+            return [1.0 / self.world] * len(masters)
         expert_ids = {id(self.master_of[id(p)]) for p in self.params if self._is_expert(p)}
         edp = comm.get_world_size(self.experts.group)
         return [1.0 / edp if id(m) in expert_ids else 1.0 / self.world for m in masters]
-
-    def deferred_grads(self) -> None:
-        return None  # the masters carry their gradients
 
     @property
     def shards_params(self) -> bool:

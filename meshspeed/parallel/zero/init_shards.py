@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from meshspeed import comm
 from meshspeed.parallel import registry
+from meshspeed.parallel.protocol import ParameterOwner
 from meshspeed.parallel.zero import ds_params
 from meshspeed.parallel.zero.ds_params import PartitionView, ZeroParamStatus
 from meshspeed.parallel.zero.layout import ParamLayout
@@ -55,7 +56,7 @@ class _Slice:
 _SLICES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-class InitShards:
+class InitShards(ParameterOwner):
     """The owner (parallel/registry.py) of the parameters one `zero.Init` built."""
 
     def __init__(self, group, spill=None):

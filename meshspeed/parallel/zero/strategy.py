@@ -18,8 +18,10 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.experts import ExpertSpec
+from meshspeed.parallel.protocol import ExternalParameters, ParameterOwner, Strategy
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
+from meshspeed.parallel.step import StepGradients
 from meshspeed.parallel.weak import weak_method
 from meshspeed.parallel.zero import ds_params
 from meshspeed.parallel.zero.ds_params import PartitionView, ZeroParamStatus
@@ -56,7 +58,7 @@ _DS_STATUS = {ParamState.WHOLE: ZeroParamStatus.AVAILABLE, ParamState.GATHERING:
               ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE}
 
 
-class Zero:
+class Zero(Strategy, ParameterOwner, ExternalParameters):
     def __init__(
         self,
         module: nn.Module,
@@ -223,8 +225,11 @@ class Zero:
         return output  # (inference: every unit was released above)
 
     # -- backward -------------------------------------------------------------------------
-    def begin_micro_step(self, boundary: bool) -> None:
+    def begin_micro_step(self, boundary: bool, loss_scale: float = 1.0) -> None:
         self.boundary = boundary
+        files = self.placement.deferred_grads()
+        if files is not None:  # gradients land in files, unscaled on the way
+            files.loss_scale = loss_scale
         # stage 1 reduces once per step, from full gradients accumulated over micro-steps
         # (at the boundary backward, as each unit completes); stages 2-3 reduce every
         # micro-step and keep only the owned, accumulated slice
@@ -270,21 +275,16 @@ class Zero:
             self.fetcher.release_all()
 
     # -- step -----------------------------------------------------------------------------
-    def prepare_step(self) -> list[nn.Parameter]:
+    def prepare_step(self) -> StepGradients:
         self.placement.before_step(self)
         self.placement.attach_grads(self.units)
-        return self.masters()
+        # expert shards: distinct over edp (sharded) and over ep (other experts), so
+        # summing over all of dp counts each element once, as for dense shards
+        return StepGradients(self.masters(), groups=[self.groups.shard],
+                             files=self.placement.deferred_grads())
 
     def masters(self) -> list[nn.Parameter]:
         return [m for unit in self.units for m in unit.masters]
-
-    def grad_norm_groups(self) -> list:
-        # expert shards: distinct over edp (sharded) and over ep (other experts), so
-        # summing over all of dp counts each element once, as for dense shards
-        return [self.groups.shard]
-
-    def deferred_grads(self):
-        return self.placement.deferred_grads()
 
     def finish_step(self) -> None:
         self.placement.finish_step(self)

@@ -128,11 +128,27 @@ def _errors_worker():
 
 def test_setup_errors_are_one_sentence_each():
     errors = run_distributed(_errors_worker, world_size=2)[0]
-    assert "loss_fn" in errors["loss_fn"] and "CrossEntropyLoss" in errors["loss_fn"]
+    assert errors["loss_fn"] is None  # DeepSpeed builds an engine without a loss (forward, eval_batch)
     assert "multiples" in errors["few_micro"] and "gradient_accumulation_steps = 3" in errors["few_micro"]
     assert "virtual_stages=2" in errors["chunks"]
     assert "pipeline.stages: 4" in errors["stages"] and "num_stages=2" in errors["stages"]
     assert "zb-h2" in errors["schedule"]
+
+
+def _no_loss_worker():
+    net = PipelineModule(_specs(), num_stages=2, loss_fn=None)
+    engine, *_ = meshspeed.initialize(model=net, config=dict(CFG))
+    out = engine.eval_batch(iter(_batches(4)), compute_loss=False, return_logits=True)[1]
+    try:
+        engine.train_batch(iter(_batches(4)))
+    except meshspeed.pipe.PipelineError as err:
+        return out is None or len(out) == 4, str(err)
+    return None
+
+
+def test_a_pipeline_without_loss_evaluates_and_refuses_to_train():
+    for ok, message in run_distributed(_no_loss_worker, world_size=2):
+        assert ok and "loss_fn" in message and "CrossEntropyLoss" in message
 
 
 def _dry_worker(kind):

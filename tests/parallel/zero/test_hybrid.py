@@ -1,13 +1,13 @@
 """Units honour the groups they are given: hybrid sharding (state sharded over a group of
 2, each shard replicated over the other 2 ranks of a world of 4) trains exactly like one
 process on the whole batch. The strategy is driven as the engine drives it, with the norm
-reduced over the groups it names (`grad_norm_groups()`: the shard group only)."""
+reduced over the groups it names (`StepGradients.groups`: the shard group only)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from meshspeed.optim.builder import master_groups
+from meshspeed.optim.builder import ParamSelection
 from meshspeed.optim.clip import clip_by_norm_, global_grad_norm
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.strategy import Zero
@@ -34,7 +34,7 @@ def _hybrid_run(setup: ParitySetup):
     groups = _groups()
     strategy = Zero(model, groups, stage=setup.stage, persistence_threshold=0)
     block = setup.optimizer_block()["params"]
-    opt = torch.optim.AdamW(master_groups(None, model, strategy.master_of), **block)
+    opt = torch.optim.AdamW(ParamSelection.capture(None, model).groups(model, strategy.master_of), **block)
     rank = dist.get_rank()
     rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
     losses = []
@@ -44,8 +44,9 @@ def _hybrid_run(setup: ParitySetup):
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         strategy.finish_backward()
-        grads = [m.grad for m in strategy.prepare_step() if m.grad is not None]
-        clip_by_norm_(grads, setup.clip, global_grad_norm(grads, strategy.grad_norm_groups()))
+        step = strategy.prepare_step()
+        grads = [m.grad for m in step.masters]
+        clip_by_norm_(grads, setup.clip, global_grad_norm(grads, step.groups))
         opt.step()
         opt.zero_grad(set_to_none=True)
         strategy.finish_step()

@@ -5,7 +5,7 @@ over meshspeed's own (meshspeed/parallel/pipeline/module.py); the engine that tr
 `meshspeed.engine.pipeline.PipelineEngine` (docs/pipeline.md).
 """
 
-from meshspeed.engine.pipeline import PipelineEngine, PipelineError
+from meshspeed.compat.deepspeed.runtime.pipe.engine import PipelineEngine, PipelineError
 from meshspeed.compat.deepspeed.runtime.pipe.module import (
     LayerSpec,
     PipelineModule,

@@ -3,7 +3,7 @@
 Note [summing tied gradients over stages]
 A `TiedLayerSpec` key used on stages S (an embedding on the first stage and the LM head
 through its weight on the last) is one module per stage (Note [tied layers across stages]
-in parallel/pipeline/module.py). A single shared module's gradient is the sum of what each
+in module.py). A single shared module's gradient is the sum of what each
 position contributes, so after each batch, once the strategy has reduced the stage's
 gradients over data parallelism, the copies' gradients are summed over S and every copy
 takes that same step.
@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.topology.mesh import group_from_layout
 
 
 def _sum_layout(dims, stages: list[int]) -> list[list[int]]:
@@ -46,20 +45,20 @@ def _copy_layout(dims, stages: list[int]) -> list[list[int]]:
 class TiedGrads:
     """The tied tensors of this stage and the groups they are summed over."""
 
-    def __init__(self, module: nn.Module, topology):
+    def __init__(self, module, topology):
+        """`module`: a bound PipelineModule."""
         self.entries: list[tuple[str, nn.Parameter, object, bool]] = []  # key, param, group, first
         self._copies: list[tuple[nn.Parameter, object, int]] = []
-        tied = getattr(module, "tied_stages", None)
-        if tied is None or topology.size("pp") == 1:
+        if topology.size("pp") == 1:
             return
         dims, stage = topology.dims, topology.coord("pp")
         weights = module.get_tied_weights()
-        for key, stages in sorted(tied().items()):  # the same order on every rank
+        for key, stages in sorted(module.tied_stages().items()):  # the same order on every rank
             if len(stages) < 2:
                 continue
             # every rank creates every group (collective), in this fixed order
-            sum_group = group_from_layout(_sum_layout(dims, stages))
-            copy_group = group_from_layout(_copy_layout(dims, stages))
+            sum_group = topology.subgroup(f"tied {key}: sum", _sum_layout(dims, stages))
+            copy_group = topology.subgroup(f"tied {key}: copies", _copy_layout(dims, stages))
             if stage not in stages:
                 continue
             for p in weights.get(key, []):

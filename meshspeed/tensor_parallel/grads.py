@@ -16,30 +16,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dataclasses import replace
+
 from meshspeed import comm
+from meshspeed.parallel.protocol import StepPart
+from meshspeed.parallel.step import NormScope
 from meshspeed.topology.shards import partial_grad_params, shards_by_param
 
 
-class TensorParallelGrads:
-    def __init__(self, module: nn.Module, master_of: dict[int, nn.Parameter], group, size: int):
+class TensorParallelGrads(StepPart):
+    """Tensor parallelism's share of the optimizer step: the partial gradients summed over
+    tp before it, and which masters the norm counts on every tp rank."""
+
+    def __init__(self, module: nn.Module, group, size: int):
         self.group = group if size > 1 else None
         split = set(shards_by_param(module))
         split |= {id(p) for p in module.parameters() if getattr(p, "tensor_model_parallel", False)}  # Megatron's mark
-        self._split_masters = {id(master_of[i]) for i in split if i in master_of}
-        self._partial = [master_of[id(p)] for p in partial_grad_params(module) if id(p) in master_of]
+        self._split = split
+        self._partial = partial_grad_params(module)
+        self._split_masters: set[int] | None = None  # ids of masters, once the strategy is known
 
-    @property
-    def has_partial(self) -> bool:
-        return self.group is not None and bool(self._partial)
-
-    @property
-    def active(self) -> bool:
-        return self.group is not None
-
-    def reduce_partial(self) -> None:
+    def before_step(self, strategy) -> None:
         """Sum the partial gradients of sequence-parallel parameters over tp (one collective)."""
-        grads = [m.grad for m in self._partial if m.grad is not None and m.grad.numel()]
-        if self.group is None or not grads:
+        if self.group is None:
+            return
+        masters = [strategy.master_of[id(p)] for p in self._partial if id(p) in strategy.master_of]
+        grads = [m.grad for m in masters if m.grad is not None and m.grad.numel()]
+        if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, group=self.group)
@@ -48,5 +51,8 @@ class TensorParallelGrads:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def split_mask(self, masters: list[nn.Parameter]) -> list[bool]:
-        return [id(m) in self._split_masters for m in masters]
+    def widen(self, scope: NormScope, strategy) -> NormScope:
+        if self.group is None:
+            return scope
+        split = {id(strategy.master_of[i]) for i in self._split if i in strategy.master_of}
+        return replace(scope, tp_group=self.group, tp_split=lambda masters: [id(m) in split for m in masters])

@@ -1,0 +1,133 @@
+"""`deepspeed.runtime.engine`: DeepSpeed's engine, as `initialize` returns it.
+
+meshspeed's engine (meshspeed/engine/engine.py) is the training loop and nothing else;
+DeepSpeed's engine also answers some thirty getters that scripts and libraries call
+(`engine.train_batch_size()`, `engine.get_lr()`, `engine.zero_optimization_stage()`, ...).
+They live here, in `DeepSpeedEngineAPI`, a mixin over the loop: each is one line over the
+typed config, the mesh or the loop's counters. `DeepSpeedEngine` is the loop with the
+mixin, and the pipelined twin is in runtime/pipe/engine.py.
+"""
+
+from __future__ import annotations
+
+from meshspeed import comm
+from meshspeed.checkpoint import engine_api
+from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.process.distributed import get_local_rank
+
+__all__ = ["CallableInt", "DeepSpeedEngine", "DeepSpeedEngineAPI"]
+
+
+class CallableInt(int):
+    """An int that returns itself when called: DeepSpeed's engine has methods
+    (`engine.gradient_accumulation_steps()`) where other libraries read attributes; this
+    value serves both spellings."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
+class DeepSpeedEngineAPI:
+    """DeepSpeed's engine getters over meshspeed's engine (`self` is a MeshspeedEngine)."""
+
+    @property
+    def gradient_accumulation_steps(self) -> CallableInt:
+        return CallableInt(self.config.gradient_accumulation_steps)
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    @property
+    def zero_optimization_stage(self) -> CallableInt:
+        return CallableInt(self.config.zero_stage)
+
+    def zero_optimization(self) -> bool:
+        return self.config.zero_stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.config.zero_stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.config.zero_stage >= 3
+
+    def zero_offload_optimizer(self) -> bool:
+        o = self.config.zero_optimization.offload_optimizer
+        return o is not None and o.device != "none"
+
+    def zero_offload_param(self) -> bool:
+        o = self.config.zero_optimization.offload_param
+        return self.config.zero_stage == 3 and o is not None and o.device != "none"
+
+    @property
+    def global_rank(self) -> int:
+        return comm.get_rank() if comm.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return comm.get_world_size() if comm.is_initialized() else 1
+
+    @property
+    def local_rank(self) -> int:
+        return get_local_rank()
+
+    def get_lr(self) -> list[float]:
+        return self.learning_rates()
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.size("dp")
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    # DeepSpeed's names for the sequence (context-parallel) axis
+    @property
+    def seq_parallel_group(self):
+        return self.topology.group("cp")
+
+    def get_sequence_parallel_group(self):
+        return self.topology.group("cp")
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.topology.size("cp")
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks gradients are averaged over: data x sequence parallel."""
+        return self.topology.size("dp_cp")
+
+    def get_tensor_parallel_group(self):
+        return self.topology.group("tp")
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.topology.size("tp")
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
+        return engine_api.save_16bit_model(self, save_dir, save_filename)
+
+
+class DeepSpeedEngine(DeepSpeedEngineAPI, MeshspeedEngine):
+    """What `deepspeed.initialize` returns for a model that is not a PipelineModule."""
