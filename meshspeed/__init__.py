@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from meshspeed.version import __version__  # noqa: E402
 
 from meshspeed.compat.paths import install_meshspeed_names  # noqa: E402
 

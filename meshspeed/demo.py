@@ -17,6 +17,16 @@ import os
 import sys
 import tempfile
 import time
+from meshspeed.models.gpt import GPTConfig
+from meshspeed import comm
+from meshspeed.data import ByteWindows, RepeatingLoader, stdlib_corpus, unigram_entropy
+from meshspeed.models.gpt import GPT, param_count
+from meshspeed.offload import close
+from torch.distributed import run as torchrun
+import socket
+import torch
+from tqdm import tqdm
+import meshspeed
 
 DEMO_MODEL = {"vocab_size": 256, "max_seq_len": 128, "n_layer": 4, "n_head": 4, "d_model": 128}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")  # --offload: zero_optimization.offload_* "device"
@@ -95,15 +105,11 @@ def _check(args) -> str | None:
 
 
 def _model_config(args):
-    from meshspeed.models.gpt import GPTConfig
-
     return GPTConfig(**{**DEMO_MODEL, "max_seq_len": args.seq_len, "n_layer": args.layers,
                         "d_model": args.d_model, "n_head": args.heads})
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from torch.distributed import run as torchrun
-
     argv = ["--nproc-per-node", str(args.nproc), "--master-port", str(_free_port()),
             "-m", "meshspeed.demo", "--worker"]
     # a rendezvous left in the environment (a job step, a test process) is not this one
@@ -125,8 +131,6 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -159,15 +163,6 @@ def _config(args) -> dict:
 
 
 def train(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
-    import meshspeed
-    from meshspeed import comm
-    from meshspeed.data import ByteWindows, RepeatingLoader, stdlib_corpus, unigram_entropy
-    from meshspeed.models.gpt import GPT, param_count
-    from meshspeed.offload import close
-
     torch.set_num_threads(1)
     meshspeed.init_distributed()
     rank = comm.get_rank()
@@ -249,8 +244,6 @@ def memory_lines(memory: dict) -> list[str]:
 
 
 def _sample(engine, prompt: bytes, length: int = 200) -> str:
-    import torch
-
     engine.eval()
     idx = torch.tensor([list(prompt)], dtype=torch.long)
     torch.manual_seed(0)  # every rank samples the same text (stage 3 gathers need all ranks)

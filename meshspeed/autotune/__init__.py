@@ -3,13 +3,12 @@
 
 from meshspeed.autotune.report import Trial
 from meshspeed.autotune.trial import TuneError
+from meshspeed.autotune.tuner import autotune as run
 
 
 def autotune(*args, **kwargs):
     # lazy: start-up cost; the tuner imports the planner and config loader, which
     # `meshspeed run` (importing TuneError from here) does not need
-    from meshspeed.autotune.tuner import autotune as run
-
     return run(*args, **kwargs)
 
 

@@ -7,6 +7,7 @@ import sys
 
 from meshspeed.autotune.trial import TuneError
 from meshspeed.config import ConfigError
+from meshspeed.autotune.tuner import autotune
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +30,6 @@ def main(args: argparse.Namespace) -> int:
         print("meshspeed autotune: missing the training script (meshspeed autotune [options] "
               "script.py [script args])", file=sys.stderr)
         return 2
-    from meshspeed.autotune.tuner import autotune
-
     try:
         out = autotune(args.script[0], args.script[1:], config=args.config, nproc=args.nproc,
                        top_k=args.top_k, steps=args.steps, timeout=args.timeout, results=args.results,

@@ -20,6 +20,7 @@ from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import resolve
 from meshspeed.checkpoint.reshard import SavedTensors, verify_files
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
+from meshspeed.process.malloc import tune_host_allocator
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,8 +80,6 @@ def consolidate(ckpt_dir, tag: str | None = None, dtype: torch.dtype = torch.flo
 def convert(ckpt_dir, out_path: str, tag: str | None = None, dtype: torch.dtype = torch.float32,
             verify: bool = True) -> dict:
     """Stream the consolidated state dict into one safetensors file. Returns a summary."""
-    from meshspeed.process.malloc import tune_host_allocator
-
     # parameter-sized buffers come and go one after another: with glibc's sliding mmap
     # threshold they would stay in the heap (Note [a fixed mmap threshold for CPU training])
     tune_host_allocator()

@@ -27,6 +27,7 @@ from meshspeed.checkpoint.reshard import ReadPlan, SavedTensors, verify_files
 from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers, tp_layout
 from meshspeed.checkpoint.tp_ranges import logical_shape
 from meshspeed.parallel.protocol import RankState, declares
+from meshspeed.checkpoint.resume import resume_tag
 
 log = logging.getLogger("meshspeed")
 
@@ -216,8 +217,6 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     pending.wait_for_pending(engine)
     if tag is None and engine.config.checkpoint.auto_resume and not os.path.isfile(
             os.path.join(os.fspath(load_dir), META)):
-        from meshspeed.checkpoint.resume import resume_tag
-
         tag = resume_tag(load_dir)  # Note [what auto_resume loads]
         if tag is None:
             return None, None  # a first run: nothing to resume (DeepSpeed's return)

@@ -36,6 +36,7 @@ from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.paths import META
 from meshspeed.checkpoint.tp_ranges import logical_shape, pieces_cover
 from meshspeed.topology.shards import TPShard
+from meshspeed import comm
 
 FORMAT = "meshspeed-checkpoint"
 VERSION = 1
@@ -78,8 +79,6 @@ def param_spec(s) -> dict[str, Any]:
 def global_meta(engine, tag: str, slices, aliases: dict[str, str], buffers: dict[str, torch.Tensor],
                 client_json: Any, client_keys: list[str], tp_size: int = 1) -> dict[str, Any]:
     """The rank-independent part of meta.json, built on rank 0 at save time."""
-    from meshspeed import comm
-
     name_of = {id(s.key): s.name for s in slices}
     opt = engine.optimizer
     groups = [{"options": json_options(g, f"optimizer param group {i}"),

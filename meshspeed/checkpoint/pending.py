@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 from meshspeed.checkpoint.agree import agree, one_line
 from meshspeed.checkpoint.errors import CheckpointError
+import os
+import sys
 
 log = logging.getLogger("meshspeed")
 
@@ -106,9 +108,6 @@ def _wait_at_exit() -> None:
         # an exception raised here would be printed and ignored (exit status 0); the
         # handlers registered before this one (logging's among them) are skipped by
         # os._exit, so flush what they would have
-        import os
-        import sys
-
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

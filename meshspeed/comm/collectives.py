@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from meshspeed.comm import blocked, counter, debug, rollcall, sequence
 from meshspeed.comm.counter import ring_bytes
+import datetime
+from torch.distributed import distributed_c10d
 
 ReduceOpLike = str | dist.ReduceOp
 
@@ -64,10 +66,6 @@ def set_timeout(seconds: float, group: Any = None) -> None:
     """How long a collective on `group` (default: every group made from the default one
     afterwards, and the default group itself) may wait before it fails with
     CommTimeoutError. Gloo and NCCL enforce it; torch exposes the setter privately."""
-    import datetime
-
-    from torch.distributed import distributed_c10d
-
     distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=float(seconds)), group)
 
 

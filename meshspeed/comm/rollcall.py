@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 GRACE_S = 5.0  # how long a failing rank waits for its peers' records
 STORE_S = 3.0
@@ -38,8 +39,6 @@ _PREFIX = "meshspeed/rollcall"
 
 
 def _store() -> Any:
-    from torch.distributed import distributed_c10d
-
     try:
         store = distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no default group, or a backend without a store

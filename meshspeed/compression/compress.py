@@ -30,6 +30,9 @@ from meshspeed.compression.layers import (
 from meshspeed.compression.select import Selection, plan
 from meshspeed.config.compression import CompressionConfig
 from meshspeed.config.errors import ConfigError
+from meshspeed.config.keys import check_keys
+from meshspeed.config.loader import read_config
+from meshspeed.config.root import MeshspeedConfig
 
 __all__ = ["compression_config", "init_compression", "redundancy_clean"]
 
@@ -41,10 +44,6 @@ CLEAN_ORDER = ("weight_quantization", "sparse_pruning", "row_pruning", "head_pru
 
 def compression_config(config: Any) -> CompressionConfig:
     """The typed `compression_training` block of a DeepSpeed config (path, dict, ...)."""
-    from meshspeed.config.keys import check_keys
-    from meshspeed.config.loader import read_config
-    from meshspeed.config.root import MeshspeedConfig
-
     if isinstance(config, CompressionConfig):
         return config
     if isinstance(config, MeshspeedConfig):

@@ -17,6 +17,7 @@ from torch import nn
 from meshspeed.compression.layers import Compressed, Phase
 from meshspeed.config.errors import ConfigError
 from meshspeed.parallel.protocol import StepCallback
+from meshspeed.compression.compress import compression_config as typed
 
 log = logging.getLogger("meshspeed")
 
@@ -25,8 +26,6 @@ class compression_scheduler(StepCallback):  # DeepSpeed's (lower-case) name, whi
     """Steps the techniques of every compressed layer in `model`."""
 
     def __init__(self, model: nn.Module, compression_config: Any):
-        from meshspeed.compression.compress import compression_config as typed
-
         cfg = typed(compression_config)
         self.model = model
         self.layers = [m for m in model.modules() if isinstance(m, Compressed)]

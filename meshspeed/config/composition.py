@@ -83,12 +83,12 @@ RULES: dict[tuple[str, str], str] = {
                                        'in memory; use "cpu"',
     ("onebit", "zero"): "{a} needs ZeRO stage 0 (got {b}): its compressed all-reduce replaces the "
                         "gradient all-reduce, which ZeRO shards; DeepSpeed refuses this too",
-    ("onebit", "half"): "{a} runs in fp32 only in this version; turn fp16 / bf16 off",
+    ("onebit", "half"): "{a} runs in fp32 only in this version (got {b}); turn fp16 / bf16 off",
     ("onebit", "tp"): "{a} " + _ONLY_DP + " (got {b})",
     ("onebit", "pp"): "{a} " + _ONLY_DP + " (got {b})",
     ("onebit", "cp"): "{a} " + _ONLY_DP + " (got {b})",
     ("onebit", "ep"): "{a} " + _ONLY_DP + " (got {b})",
-    ("onebit", "comm_dtype"): "{a} compresses to 1 bit itself; drop communication_data_type",
+    ("onebit", "comm_dtype"): "{a} compresses to 1 bit itself; drop {b}",
     ("onebit", "grad_compression"): "{b} with {a}: the optimizer compresses its momentum to 1 bit "
                                     "itself; drop gradient_compression",
     ("grad_compression", "zero"): "{a}: runs with data parallelism (zero_optimization.stage 0) only "

@@ -15,6 +15,7 @@ from meshspeed.config.errors import ConfigError, problems_from_validation_error
 from meshspeed.config.keys import check_keys
 from meshspeed.config.root import MeshspeedConfig
 from meshspeed.config.unbuilt import classify
+import torch.distributed as dist
 
 logger = logging.getLogger("meshspeed")
 
@@ -71,8 +72,6 @@ def load_config(
 
 
 def _rank_zero() -> bool:
-    import torch.distributed as dist
-
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 

@@ -22,6 +22,7 @@ from meshspeed.config.pipeline import PipelineConfig
 from meshspeed.config.precision import BF16Config, FP16Config
 from meshspeed.config.tensor_parallel import TensorParallelConfig
 from meshspeed.config.zero import ZeroConfig
+from meshspeed.config.batch import BATCH_KEYS
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +125,7 @@ class MeshspeedConfig(StrictModel):
     @property
     def precision_dtype(self) -> torch.dtype:
         """The dtype parameters and activations train in: bfloat16, float16 or float32."""
-        import torch  # kept local so that reading a config does not import torch
+        import torch  # lazy: start-up cost (reading a config does not import torch)
 
         if self.bf16.enabled:
             return torch.bfloat16
@@ -146,8 +147,6 @@ class MeshspeedConfig(StrictModel):
         """The batch-size keys the user set; the others were derived."""
         if self._batch_given is not None:
             return self._batch_given
-        from meshspeed.config.batch import BATCH_KEYS
-
         return frozenset(self.model_fields_set & set(BATCH_KEYS))
 
     def to_dict(self) -> dict[str, Any]:

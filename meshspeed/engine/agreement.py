@@ -20,6 +20,8 @@ import torch
 
 from meshspeed import comm
 from meshspeed.comm import sequence
+from meshspeed.comm.sequence import format_location
+import torch.distributed as dist
 
 STEP_COUNTERS = ("global_step", "micro_step", "skipped_steps")
 SEQUENCE_COUNTERS = ("collectives", "collective_digest")  # Note [collective digest]
@@ -54,8 +56,6 @@ def agree(what: str, counters: dict[str, int], group=None, device: torch.device 
 
 
 def _group_ranks(group) -> list[int]:
-    import torch.distributed as dist
-
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
@@ -76,8 +76,6 @@ def _report(what: str, everyone: list, ranks: list[int]) -> str:
 
 def _first_difference(everyone: list, ranks: list[int]) -> list[str]:
     """Lines naming, per rank, the first collective of the window where the ranks part."""
-    from meshspeed.comm.sequence import format_location
-
     counts = [count for _, count, _, _ in everyone]
     calls = [recent for *_, recent in everyone]
     longest = max(len(c) for c in calls)

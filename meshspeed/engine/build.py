@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from meshspeed import comm
 from meshspeed.compression.axis import apply_compression
@@ -202,20 +203,14 @@ def _optimizer(cfg: MeshspeedConfig, client: Any, selection: ParamSelection, mod
 
 
 def _scheduler(cfg: MeshspeedConfig, client: Any, optimizer):
-    if client is not None:  # DeepSpeed takes a scheduler, or a factory called with the optimizer
-        return client if isinstance(client, torch.optim.lr_scheduler.LRScheduler) or not callable(client) \
-            or _is_scheduler(client) else client(optimizer)
+    if client is not None:  # a scheduler, or (DeepSpeed's rule) a callable that makes one
+        return client(optimizer) if callable(client) and not isinstance(client, LRScheduler) else client
     if cfg.scheduler is None:
         return None
     try:
         return build_scheduler(optimizer, cfg.scheduler.type, dict(cfg.scheduler.params))
     except (ValueError, TypeError) as err:
         raise ConfigError([f"scheduler.params: {err}"]) from err
-
-
-def _is_scheduler(obj: Any) -> bool:
-    """A user's scheduler object that is also callable (it has `step`), not a factory."""
-    return callable(getattr(type(obj), "step", None))
 
 
 def _comm_logger(cfg: MeshspeedConfig):

@@ -33,6 +33,10 @@ from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.reshard import SavedTensors
 from meshspeed.checkpoint.tensorfile import TensorFile
 from meshspeed.topology.shards import TPShard, shards_by_param
+from meshspeed.checkpoint.paths import LATEST, is_checkpoint
+from meshspeed.checkpoint.metadata import read_meta
+from meshspeed.checkpoint.paths import resolve
+from safetensors import safe_open
 
 INDEX = "model.safetensors.index.json"
 
@@ -51,8 +55,6 @@ def load_into_shards(model: nn.Module, path: str) -> LoadStats:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist; give a meshspeed checkpoint "
                               "directory, a .safetensors file or a directory of them")
-    from meshspeed.checkpoint.paths import LATEST, is_checkpoint
-
     if os.path.isdir(path) and (is_checkpoint(path) or os.path.isfile(os.path.join(path, LATEST))):
         return _load_meshspeed(model, path)
     return _load_safetensors(model, path)
@@ -146,8 +148,6 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _load_safetensors(model: nn.Module, path: str) -> LoadStats:
-    from safetensors import safe_open
-
     stats = LoadStats()
     handles = [safe_open(f, framework="pt") for f in _safetensors_files(path)]
     where: dict[str, object] = {}
@@ -194,9 +194,6 @@ def _fill_from_slice(param: torch.Tensor, shard: TPShard | None, sl, stats: Load
 
 # -- meshspeed checkpoints --------------------------------------------------------------------
 def _load_meshspeed(model: nn.Module, path: str) -> LoadStats:
-    from meshspeed.checkpoint.metadata import read_meta
-    from meshspeed.checkpoint.paths import resolve
-
     path = resolve(path, None)
     meta = read_meta(path)
     stats = LoadStats()

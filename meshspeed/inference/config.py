@@ -16,6 +16,7 @@ would run a layout or precision the user did not ask for in one of the two place
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -24,9 +25,11 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 
-from meshspeed.config.base import PositiveInt, StrictModel, closest
+from meshspeed.config.base import NonNegInt, PositiveInt, StrictModel, closest
 from meshspeed.config.errors import ConfigError, show
+from meshspeed.config.keys import submodel
 from meshspeed.config.offload import OffloadParamConfig
+from meshspeed.offload.swapdir import check_nvme_path
 
 logger = logging.getLogger("meshspeed")
 
@@ -79,6 +82,13 @@ class QuantConfig(StrictModel):
     group_size: PositiveInt | None = None  # None: one scale per output channel
 
 
+_ZERO_KEYS = ("stage", "offload_param", "prefetch_layers")
+_OFFLOAD_KEYS = ("device", "nvme_path", "pin_memory")
+# DeepSpeed's offload_param tuning keys for training's swapper: nothing to tune here
+_OFFLOAD_IGNORED = ("buffer_count", "buffer_size", "max_in_cpu")
+_DEVICES = ("none", "cpu", "nvme")
+
+
 class ZeroInferenceConfig(StrictModel):
     """ZeRO-Inference: weights partitioned over ranks (or offloaded) and gathered layer by
     layer (meshspeed/inference/zero_inference.py). Only stage 3 partitions weights; stages
@@ -86,6 +96,59 @@ class ZeroInferenceConfig(StrictModel):
 
     stage: Literal[0, 3] = 0
     offload_param: OffloadParamConfig | None = None
+    prefetch_layers: NonNegInt = 1  # units gathered ahead of the running one
+
+    @property
+    def device(self) -> str:
+        """Where shards live: "none" (the compute device), "cpu" or "nvme"."""
+        return self.offload_param.device if self.offload_param is not None else "none"
+
+    @property
+    def nvme_path(self) -> str | None:
+        return self.offload_param.nvme_path if self.offload_param is not None else None
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.offload_param is not None and self.offload_param.pin_memory
+
+    @classmethod
+    def from_dict(cls, section: Any) -> ZeroInferenceConfig:
+        """The `zero` section as `partition_for_inference` takes it: stage 3 required, one
+        sentence per mistake."""
+        if not isinstance(section, dict):
+            raise ConfigError(f"zero: expected an object ({{...}}), got {show(section)}")
+        _reject_unknown(section, _ZERO_KEYS, "zero")
+        if "stage" not in section:
+            raise ConfigError('zero.stage: is required; ZeRO-Inference is stage 3 (write "stage": 3)')
+        if section["stage"] != 3 or isinstance(section["stage"], bool):
+            raise ConfigError(f"zero.stage: ZeRO-Inference partitions weights, which is stage 3 "
+                              f"(got {show(section['stage'])}); write \"stage\": 3")
+        offload = section.get("offload_param") or {}
+        if not isinstance(offload, dict):
+            raise ConfigError(f"zero.offload_param: expected an object ({{...}}), got {show(offload)}")
+        offload = {k: v for k, v in offload.items() if k not in _OFFLOAD_IGNORED}
+        _reject_unknown(offload, _OFFLOAD_KEYS, "zero.offload_param")
+        device = offload.get("device", "none")
+        if device not in _DEVICES:
+            raise ConfigError(f"zero.offload_param.device: must be one of "
+                              f"{', '.join(map(show, _DEVICES))} (got {show(device)})")
+        if not isinstance(offload.get("pin_memory", False), bool):
+            raise ConfigError(f"zero.offload_param.pin_memory: expected true or false (got "
+                              f"{show(offload['pin_memory'])})")
+        prefetch = section.get("prefetch_layers", 1)
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ConfigError(f"zero.prefetch_layers: expected a whole number >= 0 (got {show(prefetch)})")
+        if device == "nvme":
+            check_nvme_path(offload.get("nvme_path"), "zero.offload_param.nvme_path")
+        return cls.checked({"stage": 3, "offload_param": offload, "prefetch_layers": prefetch}, "zero.")
+
+
+def _reject_unknown(section: dict, known: tuple[str, ...], where: str) -> None:
+    for key in section:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{where}.{key}: unknown key; {hint}the keys are {', '.join(known)}")
 
 
 class InferenceConfig(StrictModel):
@@ -262,8 +325,6 @@ def _prefix_match(key: str, candidates: list[str]) -> str | None:
 
 
 def _submodel(annotation: Any) -> type[StrictModel] | None:
-    from meshspeed.config.keys import submodel
-
     return submodel(annotation)
 
 

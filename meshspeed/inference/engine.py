@@ -42,6 +42,14 @@ from meshspeed.inference.config import (
     load_inference_config,
     report_no_effect,
 )
+from meshspeed.inference.runners import runner_for
+from meshspeed.inference.generation import generate
+from meshspeed.process.distributed import init_distributed
+from meshspeed.topology import ParallelDims, build_topology
+from meshspeed.tensor_parallel.apply import apply_tensor_parallel, default_plan
+from meshspeed.inference.quant import quantize_weights
+from meshspeed.inference.inject import inject_kernels
+from meshspeed.inference.zero_inference import partition_for_inference
 
 log = logging.getLogger("meshspeed")
 
@@ -103,8 +111,6 @@ class InferenceEngine(nn.Module):
         under ZeRO-Inference each of its layers gathers its unit, as the model's own decoder
         layers do)."""
         if self._runner is None:
-            from meshspeed.inference.runners import runner_for
-
             self._runner = runner_for(self.module)
             if self.zero_inference is not None:
                 for i, layer in enumerate(self._runner.layers):
@@ -122,8 +128,6 @@ class InferenceEngine(nn.Module):
             raise ValueError(f"prompt of {longest} tokens is longer than max_out_tokens="
                              f"{self.config.max_out_tokens}; shorten the prompt or raise "
                              "max_out_tokens (alias max_tokens) in the init_inference config")
-        from meshspeed.inference.generation import generate
-
         if max_new_tokens is not None:
             kwargs["max_new_tokens"] = max_new_tokens
         return generate(self.module_or_runner, input_ids, max_out_tokens=self.config.max_out_tokens,
@@ -165,9 +169,6 @@ def check_dtype_runs(dtype: torch.dtype, device: torch.device) -> None:
 
 
 def _build_topology(model: nn.Module, tp: int, device: torch.device):
-    from meshspeed.process.distributed import init_distributed
-    from meshspeed.topology import ParallelDims, build_topology
-
     if not dist.is_initialized():
         init_distributed(verbose=False)
     world = dist.get_world_size()
@@ -201,8 +202,6 @@ def check_heads(model: nn.Module, tp: int) -> None:
 def split_for_inference(model: nn.Module, topology: Any) -> nn.Module:
     """apply_tensor_parallel with the model's default plan, minus the vocab-parallel loss,
     and the vocab head gathering whole logits (Note [full logits on every rank])."""
-    from meshspeed.tensor_parallel.apply import apply_tensor_parallel, default_plan
-
     plan = {k: v for k, v in default_plan(model).items() if _kind(v) != "loss"}
     apply_tensor_parallel(model, topology, plan)
     heads = [k for k, v in plan.items() if _kind(v) == "vocab_head"]
@@ -252,8 +251,6 @@ def _kind(entry: Any) -> str | None:
 
 
 def _quantize(model: nn.Module, cfg: InferenceConfig) -> None:
-    from meshspeed.inference.quant import quantize_weights
-
     quantize_weights(model, bits=cfg.quant.bits, group_size=cfg.quant.group_size)
 
 
@@ -268,14 +265,10 @@ def _inject(model: nn.Module, cfg: InferenceConfig) -> int:
             log.warning("replace_with_kernel_inject has no effect with zero.stage 3: ZeRO-Inference "
                         "gathers each layer's parameters, which prepacked layers would replace")
         return 0
-    from meshspeed.inference.inject import inject_kernels
-
     return inject_kernels(model)
 
 
 def _partition(model: nn.Module, cfg: InferenceConfig, topology: Any) -> Any:
-    from meshspeed.inference.zero_inference import partition_for_inference
-
     # The section as the user wrote it (a plain mapping), so zero_inference owns its defaults.
     section = {**cfg.zero.model_dump(exclude_unset=True), "stage": 3}
     return partition_for_inference(model, section, topology.group("dp"))

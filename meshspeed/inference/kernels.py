@@ -91,6 +91,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 
 log = logging.getLogger("meshspeed")
 
@@ -266,8 +267,6 @@ def _first_call(impl: Impl, key: Key, *args):
 
 
 def _rank_zero() -> bool:
-    import torch.distributed as dist
-
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 

@@ -33,6 +33,7 @@ import torch
 
 from meshspeed.inference.protocol import Cache, Runner
 from meshspeed.inference.sampling import SamplingParams, next_tokens
+from meshspeed.inference.runners import runner_for
 
 
 class RequestState(enum.Enum):
@@ -109,8 +110,6 @@ class Server:
             runner = runner_or_model
         else:
             # Lazily: the runners pull in model-specific code the server does not need.
-            from meshspeed.inference.runners import runner_for
-
             runner = runner_for(runner_or_model)
         if max_tokens is None:
             max_tokens = runner.max_positions

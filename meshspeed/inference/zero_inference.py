@@ -51,80 +51,22 @@ the schedule above gives exactly, on the CPU, for L >= prefetch + 2:
 
 from __future__ import annotations
 
-import difflib
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from meshspeed import comm
-from meshspeed.config.errors import ConfigError, show
+from meshspeed.inference.config import ZeroInferenceConfig
 from meshspeed.offload.aio import SwapEngine
 from meshspeed.offload.hostmem import ALIGN, host_empty, round_up
-from meshspeed.offload.swapdir import SwapDir, check_nvme_path
+from meshspeed.offload.swapdir import SwapDir
 from meshspeed.parallel.zero.flat import FlatLayout
 from meshspeed.parallel.zero.lifecycle import LifecycleError
 from meshspeed.process.malloc import release_free_heap, tune_host_allocator
 
 __all__ = ["ZeroInference", "ZeroInferenceConfig", "find_decoder_layers", "partition_for_inference"]
-
-_KEYS = ("stage", "offload_param", "prefetch_layers")
-_OFFLOAD_KEYS = ("device", "nvme_path", "pin_memory")
-# DeepSpeed's offload_param tuning keys for training's swapper: nothing to tune here
-_OFFLOAD_IGNORED = ("buffer_count", "buffer_size", "max_in_cpu")
-_DEVICES = ("none", "cpu", "nvme")
-
-
-@dataclass(frozen=True)
-class ZeroInferenceConfig:
-    """The `zero` section of the inference config."""
-
-    stage: int = 3  # the only stage inference has: weights partitioned (there are no grads)
-    device: str = "none"  # offload_param.device: where shards live, "none" = compute device
-    nvme_path: str | None = None  # offload_param.nvme_path: directory for "nvme" shard files
-    pin_memory: bool = False  # offload_param.pin_memory: pinned host shards / staging
-    prefetch_layers: int = 1  # units gathered ahead of the running one
-
-    @classmethod
-    def from_dict(cls, section: Mapping) -> ZeroInferenceConfig:
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"zero: expected an object ({{...}}), got {show(section)}")
-        _reject_unknown(section, _KEYS, "zero")
-        if "stage" not in section:
-            raise ConfigError('zero.stage: is required; ZeRO-Inference is stage 3 (write "stage": 3)')
-        if section["stage"] != 3 or isinstance(section["stage"], bool):
-            raise ConfigError(f"zero.stage: ZeRO-Inference partitions weights, which is stage 3 "
-                              f"(got {show(section['stage'])}); write \"stage\": 3")
-        offload = section.get("offload_param") or {}
-        if not isinstance(offload, Mapping):
-            raise ConfigError(f"zero.offload_param: expected an object ({{...}}), got {show(offload)}")
-        offload = {k: v for k, v in offload.items() if k not in _OFFLOAD_IGNORED}
-        _reject_unknown(offload, _OFFLOAD_KEYS, "zero.offload_param")
-        device = offload.get("device", "none")
-        if device not in _DEVICES:
-            raise ConfigError(f"zero.offload_param.device: must be one of "
-                              f"{', '.join(map(show, _DEVICES))} (got {show(device)})")
-        pin = offload.get("pin_memory", False)
-        if not isinstance(pin, bool):
-            raise ConfigError(f"zero.offload_param.pin_memory: expected true or false (got {show(pin)})")
-        prefetch = section.get("prefetch_layers", 1)
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ConfigError(f"zero.prefetch_layers: expected a whole number >= 0 (got {show(prefetch)})")
-        path = offload.get("nvme_path")
-        if device == "nvme":
-            check_nvme_path(path, "zero.offload_param.nvme_path")
-        return cls(3, device, path, pin, prefetch)
-
-
-def _reject_unknown(section: Mapping, known: Sequence[str], where: str) -> None:
-    for key in section:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"{where}.{key}: unknown key; {hint}the keys are {', '.join(known)}")
-
 
 # -- where a unit's shard lives ----------------------------------------------------------------
 

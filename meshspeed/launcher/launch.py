@@ -33,6 +33,14 @@ import torch
 
 from meshspeed.launcher import ds_launcher
 from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError
+from meshspeed.compat.alias import write_shim
+from meshspeed.autotune.trial import TuneError, substitute
+from meshspeed.autotune.tuner import autotune
+from meshspeed.config import ConfigError
+from torch.distributed.run import get_args_parser
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main as torchrun_main
 
 PASSTHROUGH = True  # meshspeed.cli hands options it does not know to us as `args.extra`
 
@@ -96,8 +104,6 @@ def _split(tokens: list[str]) -> tuple[list[str], list[str], argparse.Namespace]
     The first positional word is not always the script (it may be the value of a torchrun
     option, `--max-restarts 3`): torchrun's own parser, which knows each option's arity,
     finds where the script starts."""
-    from torch.distributed.run import get_args_parser
-
     parser = get_args_parser()
     parser.prog, parser.allow_abbrev = "meshspeed run", False
     _add_options(parser, native=False)
@@ -214,8 +220,6 @@ def _launch_environment(env: dict[str, str], compat: bool):
     try:
         os.environ.update(env)
         if compat:
-            from meshspeed.compat.alias import write_shim
-
             shim_dir = tempfile.mkdtemp(prefix="meshspeed-deepspeed-compat-")
             write_shim(shim_dir)
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [shim_dir, saved["PYTHONPATH"]]))
@@ -241,10 +245,6 @@ def _autotune_first(args: argparse.Namespace) -> int | None:
     if mode not in ("tune", "run"):
         print(f"meshspeed run: --autotuning takes 'tune' or 'run', got {mode!r}", file=sys.stderr)
         return 2
-    from meshspeed.autotune.trial import TuneError, substitute
-    from meshspeed.autotune.tuner import autotune
-    from meshspeed.config import ConfigError
-
     script, script_args = args.script[0], args.script[1:]
     nproc = args.nproc_per_node or args.num_gpus or 1
     try:
@@ -266,10 +266,6 @@ def main(args: argparse.Namespace) -> int:
         print("meshspeed run: missing the training script (meshspeed run [options] "
               "script.py [script args])", file=sys.stderr)
         return 2
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
     tuned = _autotune_first(args)
     if tuned is not None:
         return tuned

@@ -28,6 +28,7 @@ from torch import nn
 
 from meshspeed.models.gpt import GPT, Block, GPTConfig, RMSNorm
 from meshspeed.parallel.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from meshspeed.tensor_parallel.plan import PlanError
 
 __all__ = ["Embedding", "GPTPipe", "LMHead", "LMLoss", "gpt_pipeline_layers", "gpt_state_to_pipe"]
 
@@ -123,8 +124,6 @@ class GPTPipe(PipelineModule):
         """GPT's tensor-parallel plan, for the modules this stage holds (a vocab-parallel
         loss only where the head is)."""
         if self.config.tie_embeddings:
-            from meshspeed.tensor_parallel.plan import PlanError
-
             raise PlanError([("GPTPipe(tie_embeddings=True) under tensor parallelism: the tied head is "
                              "not a vocab-parallel layer here; build the pipeline form with "
                              "tie_embeddings=False for tp > 1")])

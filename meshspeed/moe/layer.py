@@ -45,7 +45,7 @@ Differences from DeepSpeed (the first three in what was left to globals there):
   * `use_tutel` is accepted and changes nothing: the dispatch is in index form already;
   * `enable_expert_tensor_parallelism` is recorded and has no effect: under tensor
     parallelism each tp rank holds whole experts and routes the same replicated tokens
-    (Note [MoE layers on tensor-parallel ranks] in meshspeed/engine/build.py), so there
+    (Note [MoE layers on tensor-parallel ranks] in meshspeed/moe/axis.py), so there
     are no duplicate tokens to drop;
   * capacity mode with different token counts per rank works (Note [one capacity over
     the ep group]) instead of failing in the all-to-all;

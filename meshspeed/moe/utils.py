@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from meshspeed.moe.layer import MoE
 
 __all__ = ["is_moe_param", "is_moe_param_group", "split_params_into_different_moe_groups_for_optimizer"]
 
@@ -72,8 +73,6 @@ def _chunks(params: list[torch.Tensor], limit: float | None) -> list[list[torch.
 
 def expert_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
     """(name, layer) of every `MoE` layer below `module`."""
-    from meshspeed.moe.layer import MoE
-
     return [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from meshspeed import comm
 
 PROBE_ENV = "MESHSPEED_AUTOTUNE_PROBE"
 METRICS_ENV = "MESHSPEED_AUTOTUNE_METRICS"
@@ -106,8 +107,6 @@ class StepClock:
         elif step == self.end and self.t0 is not None:
             self._sync(engine)
             seconds = (time.perf_counter() - self.t0) / (self.end - self.start)
-            from meshspeed import comm
-
             rank = comm.get_rank() if comm.is_initialized() else 0
             figures = {"rank": rank, "step_seconds": seconds,
                        "samples_per_second": engine.config.train_batch_size / seconds,

@@ -59,7 +59,7 @@ class TensorBoardWriter:
 
     def __init__(self, output_path: str, job_name: str) -> None:
         require("tensorboard", "tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: optional dependency (tensorboard)
 
         self.dir = _job_dir(output_path, job_name)
         self.writer = SummaryWriter(log_dir=self.dir)
@@ -78,7 +78,7 @@ class WandbWriter:
 
     def __init__(self, project: str, team: str | None, group: str | None) -> None:
         require("wandb", "wandb")
-        import wandb
+        import wandb  # lazy: optional dependency (wandb)
 
         self.wandb = wandb
         self.run = wandb.init(project=project, entity=team, group=group)

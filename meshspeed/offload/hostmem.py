@@ -17,6 +17,7 @@ import logging
 import os
 
 import torch
+from meshspeed.process.accelerator import get_accelerator
 
 log = logging.getLogger("meshspeed")
 
@@ -46,8 +47,6 @@ def host_zeros(numel: int, dtype: torch.dtype = torch.float32, *, pin: bool = Fa
 
 
 def _pin_ok() -> bool:
-    from meshspeed.process.accelerator import get_accelerator
-
     return get_accelerator().is_pin_available()
 
 

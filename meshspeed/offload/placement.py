@@ -46,6 +46,10 @@ from meshspeed.offload.optimizer import BackgroundStep
 from meshspeed.parallel.zero.flat import publish_all
 from meshspeed.parallel.zero.placement import DevicePlacement
 from meshspeed.process.malloc import release_free_heap
+from meshspeed.offload.masters import SwappedMaster
+from meshspeed.process.accelerator import get_accelerator
+from meshspeed import comm
+from meshspeed.offload.swapdir import SwapDir
 
 log = logging.getLogger("meshspeed")
 
@@ -154,8 +158,6 @@ class OffloadPlacement(DevicePlacement):
         """A SwappedMaster for a master that lives in a file, else None."""
         if self.master_files is None or not self.master_files.holds(master):
             return None
-        from meshspeed.offload.masters import SwappedMaster
-
         return SwappedMaster(self.master_files, master)
 
     def _copies_grads(self, unit) -> bool:
@@ -238,8 +240,6 @@ class OffloadPlacement(DevicePlacement):
                 if m.requires_grad:
                     m.grad = host[s.offset : s.offset + s.numel]
         if copied and self.device.type != "cpu":
-            from meshspeed.process.accelerator import get_accelerator
-
             get_accelerator(self.device.type).synchronize()  # non-blocking D2H copies landed
         self.grads_on_host.clear()
         if files is not None:
@@ -305,9 +305,6 @@ class OffloadPlacement(DevicePlacement):
     def swap_dir(self, nvme_path: str):
         """This rank's swap directory under `nvme_path` (one per path, shared by owners)."""
         if nvme_path not in self.swap_dirs:
-            from meshspeed import comm
-            from meshspeed.offload.swapdir import SwapDir
-
             rank = comm.get_rank() if comm.is_initialized() else 0
             self.swap_dirs[nvme_path] = SwapDir(nvme_path, rank)
         return self.swap_dirs[nvme_path]

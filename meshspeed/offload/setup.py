@@ -20,6 +20,16 @@ from meshspeed.offload.hostmem import available_host_bytes, local_world_size
 from meshspeed.offload.kernels import AdamRule, SgdRule
 from meshspeed.offload.placement import OffloadPlacement
 from meshspeed.offload.swapdir import check_nvme_path
+from meshspeed.process.accelerator import get_accelerator
+from meshspeed.process.distributed import get_local_rank
+from meshspeed.offload.aio import SwapEngine
+from meshspeed.offload.masters import MasterFiles
+from meshspeed.offload.grad_files import GradFiles
+from meshspeed.offload.param import HostShardStore, NvmeShardStore
+from meshspeed.planner.offload import WRITES_IN_FLIGHT
+from meshspeed.offload.optimizer import OffloadOptimizer
+from meshspeed.offload.state import HostStore
+from meshspeed.offload.state import SwapStore
 
 log = logging.getLogger("meshspeed")
 
@@ -110,15 +120,10 @@ def _agree(problems: list[str]) -> None:
 
 
 def get_device() -> torch.device:
-    from meshspeed.process.accelerator import get_accelerator
-    from meshspeed.process.distributed import get_local_rank
-
     return get_accelerator().device(get_local_rank())
 
 
 def _pin(cfg) -> bool:
-    from meshspeed.process.accelerator import get_accelerator
-
     z = cfg.zero_optimization
     asked = any(t is not None and t.device != "none" and t.pin_memory
                 for t in (z.offload_optimizer, z.offload_param))
@@ -142,8 +147,6 @@ def offload_placement(cfg) -> OffloadPlacement | None:
 
 
 def _swap_engine(cfg):
-    from meshspeed.offload.aio import SwapEngine
-
     a = cfg.aio
     return SwapEngine(block_size=a.block_size, queue_depth=a.queue_depth,
                       thread_count=a.thread_count, single_submit=a.single_submit,
@@ -154,8 +157,6 @@ def _master_files_factory(cfg, oo: str):
     """NVMe optimizer offload keeps the fp32 masters in swap files too (masters.py)."""
     if oo != "nvme":
         return None
-    from meshspeed.offload.masters import MasterFiles
-
     o = cfg.zero_optimization.offload_optimizer
     return lambda placed: MasterFiles(placed.swap_dir(o.nvme_path).sub("masters"), _swap_engine(cfg))
 
@@ -164,8 +165,6 @@ def _grad_files_factory(cfg, oo: str):
     """Gradients of units whose masters are in files go to files too (grad_files.py)."""
     if oo != "nvme":
         return None
-    from meshspeed.offload.grad_files import GradFiles
-
     o = cfg.zero_optimization.offload_optimizer
     return lambda placed, masters: GradFiles(placed.swap_dir(o.nvme_path).sub("grads"),
                                              _swap_engine(cfg), masters)
@@ -175,15 +174,11 @@ def _shard_store_factory(cfg, op: str):
     """How stage-3 shards are stored (param.py), or None when they stay on the device."""
     if op == "none":
         return None
-    from meshspeed.offload.param import HostShardStore, NvmeShardStore
-
     p = cfg.zero_optimization.offload_param
     if op == "cpu":
         return lambda placed, units: HostShardStore(units, pin=placed.pin)
 
     def make(placed, units):
-        from meshspeed.offload.aio import SwapEngine
-
         a = cfg.aio
         engine = SwapEngine(block_size=a.block_size, queue_depth=a.queue_depth,
                             thread_count=a.thread_count, single_submit=a.single_submit,
@@ -222,8 +217,6 @@ def _nvme_buffers(strategy, cfg) -> int:
     """Host bytes of one rank with the optimizer on NVMe: the optimizer's swap pool, the
     parameter staging pool, the largest unit's gradient on its way to its file and the
     writes in flight (meshspeed/planner/offload.py names the same terms)."""
-    from meshspeed.planner.offload import WRITES_IN_FLIGHT
-
     z = cfg.zero_optimization
     largest_slice = max((s.numel for u in strategy.units for s in u.spans), default=0)
     owned = sum(u.shard_numel for u in strategy.units)
@@ -240,14 +233,10 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, cfg, placement: OffloadP
     """The config's optimizer rebuilt as an `OffloadOptimizer` over the host masters."""
     if placement is None or not placement.offload_optimizer:
         return optimizer
-    from meshspeed.offload.optimizer import OffloadOptimizer
-
     z = cfg.zero_optimization
     o = z.offload_optimizer
     rule = _rule(optimizer)
     if o.device == "cpu":
-        from meshspeed.offload.state import HostStore
-
         def make_store(sub_groups):
             return HostStore(rule, placement.pin)
     else:
@@ -272,9 +261,6 @@ def _rule(optimizer: torch.optim.Optimizer):
 
 
 def _swap_store(rule, sub_groups, cfg, placement):
-    from meshspeed.offload.aio import SwapEngine
-    from meshspeed.offload.state import SwapStore
-
     o = cfg.zero_optimization.offload_optimizer
     a = cfg.aio
     swapdir = placement.swap_dir(o.nvme_path)

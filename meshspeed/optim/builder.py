@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from meshspeed.optim.onebit import OneBitAdam
+from meshspeed.optim.zero_one import ZeroOneAdam
+from meshspeed.optim.onebit_lamb import OneBitLamb
 
 _COMMON = {"lr", "weight_decay"}
 _ALLOWED = {
@@ -74,16 +77,10 @@ def build_optimizer(kind: str, params: dict[str, Any], groups: list[dict],
     communicates by itself (the last three) averages over."""
     _check_params(kind, params)
     if kind == "OneBitAdam":
-        from meshspeed.optim.onebit import OneBitAdam
-
         return OneBitAdam(groups, **params, group=dp_group)
     if kind == "ZeroOneAdam":
-        from meshspeed.optim.zero_one import ZeroOneAdam
-
         return ZeroOneAdam(groups, **params, group=dp_group)
     if kind == "OneBitLamb":
-        from meshspeed.optim.onebit_lamb import OneBitLamb
-
         return OneBitLamb(groups, **params, group=dp_group)
     kwargs = {k: v for k, v in params.items() if k not in _IGNORED}
     if "betas" in kwargs:

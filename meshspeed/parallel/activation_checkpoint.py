@@ -70,6 +70,7 @@ import torch
 
 from meshspeed import comm
 from meshspeed.parallel import rng_tracker
+from meshspeed.process.accelerator import get_accelerator
 
 log = logging.getLogger("meshspeed")
 
@@ -232,8 +233,6 @@ def _boundary(policy: CheckpointPolicy, label: str, phase: str) -> Iterator[None
     if not (policy.synchronize or policy.profile):
         yield
         return
-    from meshspeed.process.accelerator import get_accelerator
-
     accelerator = get_accelerator()
     accelerator.synchronize()
     start = time.perf_counter()

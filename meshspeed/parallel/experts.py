@@ -10,7 +10,7 @@ sums its ep group's tokens), ZeRO shards them over edp, and checkpoints name the
 their global expert id. Dense parameters are unchanged: replicated or sharded over dp.
 With tensor parallelism the ep and edp groups lie within one tp coordinate and each tp
 rank holds whole experts, replicas over tp like any parameter tp leaves whole (Note [MoE
-layers on tensor-parallel ranks] in meshspeed/engine/build.py).
+layers on tensor-parallel ranks] in meshspeed/moe/axis.py).
 """
 
 from __future__ import annotations

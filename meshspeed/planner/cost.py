@@ -72,6 +72,12 @@ class Candidate:
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def splits_sequence_over_tp(self) -> bool:
+        """Megatron's sequence parallelism is on: tp > 1 and no context parallelism, which
+        splits the sequence itself (the composition table refuses both together)."""
+        return self.sequence_parallel and self.tp > 1 and self.cp == 1
+
     def strides(self) -> dict[str, tuple[int, int]]:
         """(stride, size) of each axis' groups, Note [rank layout]."""
         t, c, e = self.tp, self.cp, self.ep
@@ -165,7 +171,7 @@ def _activations(model: PlanModel, c: Candidate, seq_len: int, ab: int) -> float
     per_stage = s.n_layer // c.pp
     shape = dataclasses.replace(s, n_layer=per_stage)
     a = activation_bytes(shape, c.micro_batch, seq_len // c.cp, ab, c.checkpointing,
-                         tp=c.tp, sequence_parallel=c.sequence_parallel and c.tp > 1)
+                         tp=c.tp, sequence_parallel=c.splits_sequence_over_tp)
     if c.pp == 1:
         return a["total"]
     first = min(c.pp, c.grad_accum) * a["layers"] + a["token_ids"]
@@ -211,7 +217,7 @@ def step_time(model: PlanModel, c: Candidate, hw: Hardware, global_batch: int, s
     t["ep"] = m * moe_layers * 4 * link("ep").ring(c.ep, act * model.top_k)
     # pp: one activation forward and one gradient backward per micro-batch boundary
     if c.pp > 1:
-        t["pp"] = m * 2 * link("pp").p2p(act / (c.tp if c.sequence_parallel else 1))
+        t["pp"] = m * 2 * link("pp").p2p(act / (c.tp if c.splits_sequence_over_tp else 1))
         t["bubble"] = (c.pp - 1) * (per_micro + (t["tp"] + t["cp"] + t["ep"]) / m)
     t["dp"], t["offload"], hidden = _dp_time(model, c, hw, pb, gb, compute)
     t["total"] = sum(t.values())

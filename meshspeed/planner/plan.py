@@ -14,6 +14,7 @@ from meshspeed.planner.candidates import enumerate_candidates, why_not
 from meshspeed.planner.cost import PRECISION, Candidate, memory, step_time
 from meshspeed.planner.hardware import Hardware, Link, parse_bytes, parse_links
 from meshspeed.planner.model_spec import PlanModel
+from meshspeed.planner.plot import plot_plan
 
 GB = 1e9
 
@@ -55,7 +56,7 @@ class Choice:
         if c.offload:
             cfg["zero_optimization"]["offload_optimizer"] = {"device": c.offload}
         if c.tp > 1:
-            cfg["tensor_parallel"] = {"autotp_size": c.tp, "sequence_parallel": c.sequence_parallel}
+            cfg["tensor_parallel"] = {"autotp_size": c.tp, "sequence_parallel": c.splits_sequence_over_tp}
         if c.pp > 1:
             cfg["pipeline"] = {"stages": c.pp}
         if c.cp > 1:
@@ -116,8 +117,6 @@ class Plan:
         return cfg
 
     def plot(self, path: str | Path, top: int = 8) -> None:
-        from meshspeed.planner.plot import plot_plan
-
         plot_plan(self, path, top)
 
     # -- explanation ------------------------------------------------------------------------

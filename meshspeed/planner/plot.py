@@ -15,10 +15,10 @@ TIME_PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "offload")
 
 def plot_plan(plan: Plan, path: str | Path, top: int = 8) -> None:
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional dependency (plots extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: optional dependency (plots extra)
     except ImportError:
         raise RuntimeError("--plot needs matplotlib, which is not installed; "
                            "pip install matplotlib, or drop --plot") from None

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from meshspeed.comm import rollcall, sequence
 from meshspeed.process.accelerator import Accelerator, get_accelerator
 from meshspeed.process.stopped import install_stop_report
+from meshspeed.comm import collectives
+import gc
 
 logger = logging.getLogger(__name__)
 
@@ -245,10 +247,6 @@ def _quiesce() -> None:
     (Note [the last collectives' tensors outlive their work] in comm/collectives.py):
     destroy_process_group does not stop them while anything references the group, so
     without this a work finishing during interpreter exit aborts the process."""
-    import gc
-
-    from meshspeed.comm import collectives
-
     collectives.finish_outstanding()  # every peer passed the barrier: all sides are issued
     dist.barrier()  # gloo's barrier waits for the works still in progress
     gc.collect()  # free engine cycles now, not in the interpreter's last collection

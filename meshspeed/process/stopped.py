@@ -22,6 +22,8 @@ import signal
 import sys
 import threading
 from types import FrameType
+from meshspeed.comm import rollcall
+import torch.distributed as dist
 
 _installed = False
 
@@ -48,8 +50,6 @@ def _where(frame: FrameType | None) -> str:
 
 def stop_message(rank: int, world_size: int, where: str) -> str:
     """The line rank 0 writes when stopped (Note [naming the dead rank when torchrun stops the job])."""
-    from meshspeed.comm import rollcall
-
     # torchrun numbers a node's ranks contiguously: only this node's can be seen to be gone,
     # and a store read per rank of a large job would hold up the stop
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
@@ -69,8 +69,6 @@ def stop_message(rank: int, world_size: int, where: str) -> str:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    import torch.distributed as dist
-
     try:
         if dist.is_initialized() and dist.get_rank() == 0:
             sys.stderr.write(stop_message(0, dist.get_world_size(), _where(frame)) + "\n")

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshspeed.profiling.op_flops import op_macs
-from meshspeed.profiling.report import format_profile, human
+from meshspeed.profiling.report import format_profile, human, param_numel
 
 
 @dataclass
@@ -63,14 +63,6 @@ class _CountOps(TorchDispatchMode):
         if macs:
             self.profiler._credit(macs)
         return out
-
-
-def param_numel(p: torch.Tensor) -> int:
-    """A parameter's whole size, also under ZeRO-3, where the tensor between forwards is
-    an empty placeholder and `ds_numel` (DeepSpeed's attribute) gives the size. A
-    tensor-parallel shard counts as the shard: the figures are this rank's."""
-    numel = getattr(p, "ds_numel", None)
-    return int(numel) if numel is not None else p.numel()
 
 
 def _sync(device_type: str) -> None:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from meshspeed.profiling.flops_profiler import FlopsProfiler
 
 _PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K"))
 
 
-def _param_numel(p) -> int:
-    from meshspeed.profiling.flops_profiler import param_numel  # a cycle at import time otherwise
-
-    return param_numel(p)
+def param_numel(p: torch.Tensor) -> int:
+    """A parameter's whole size, also under ZeRO-3, where the tensor between forwards is
+    an empty placeholder and `ds_numel` (DeepSpeed's attribute) gives the size. A
+    tensor-parallel shard counts as the shard: the figures are this rank's."""
+    numel = getattr(p, "ds_numel", None)
+    return int(numel) if numel is not None else p.numel()
 
 
 def human(value: float, unit: str, precision: int = 2) -> str:
@@ -73,7 +77,7 @@ def _tree(prof: FlopsProfiler, module_depth: int) -> list[str]:
         if module_depth >= 0 and depth > module_depth:
             continue
         s = prof._stats_of(module)
-        params = sum(_param_numel(p) for p in module.parameters())
+        params = sum(param_numel(p) for p in module.parameters())
         macs, latency = s.macs, s.latency
         label = (name.rsplit(".", 1)[-1] if name else "(model)") + f" ({type(module).__name__})"
         lines.append(f"{'  ' * depth}{label}: {human(params, '')} params, "

@@ -17,6 +17,10 @@ import torch
 from meshspeed.config.context_parallel import ContextParallelConfig
 from meshspeed.sequence.sharding import SequenceLayout
 from meshspeed.topology import Topology
+from meshspeed.sequence.groups import hybrid_groups
+from meshspeed.sequence.layer import ulysses_attention
+from meshspeed.sequence.ring import ring_attention
+from meshspeed.sequence.hybrid import hybrid_attention
 
 
 class ContextParallel:
@@ -29,8 +33,6 @@ class ContextParallel:
         self.balanced = self.mode in ("ring_balanced", "hybrid")
         self.ulysses_size = section.all_to_all_size
         if self.mode == "hybrid":
-            from meshspeed.sequence.groups import hybrid_groups
-
             self.ulysses_group, self.ring_group = hybrid_groups(topology, self.ulysses_size)
         self.layout: SequenceLayout | None = None
         self.positions: torch.Tensor | None = None  # (local_len,) int64 global positions
@@ -77,16 +79,10 @@ class ContextParallel:
             raise ValueError(f"attention got {q.size(2)} tokens per rank, but the batch was cut into "
                              f"{layout.local_len} ({layout.seq_len} over {self.degree} ranks)")
         if self.mode == "ulysses":
-            from meshspeed.sequence.layer import ulysses_attention
-
             return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale)
         if self.mode in ("ring", "ring_balanced"):
-            from meshspeed.sequence.ring import ring_attention
-
             chunks = [layout.chunks(r) for r in range(self.degree)]
             return ring_attention(q, k, v, self.group, causal=causal, scale=scale, chunk_ids=chunks)
-        from meshspeed.sequence.hybrid import hybrid_attention
-
         u = self.ulysses_size
         chunks = [sum((layout.chunks(j * u + i) for i in range(u)), ()) for j in range(self.degree // u)]
         return hybrid_attention(q, k, v, self.ulysses_group, self.ring_group, causal=causal, scale=scale,

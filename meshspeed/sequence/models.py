@@ -69,7 +69,7 @@ def attach(model: nn.Module, ctx: ContextParallel) -> bool:
 
 def _attach_hf(model: nn.Module, ctx: ContextParallel) -> bool:
     try:
-        from transformers import AttentionInterface, PreTrainedModel
+        from transformers import AttentionInterface, PreTrainedModel  # lazy: optional dependency (dev extra)
     except ImportError:
         return False
     if not isinstance(model, PreTrainedModel):

@@ -29,6 +29,8 @@ from meshspeed.tensor_parallel.plan import (
     resolve,
 )
 from meshspeed.topology.shards import shards_by_param
+from meshspeed.tensor_parallel.layers import SharedGather
+from meshspeed.tensor_parallel import layers  # the other half of the package
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: Any, plan: dict | None = None, *,
@@ -153,8 +155,6 @@ class _Splitter:
         read different inputs simply gather each their own. Under a boundary that already
         gathered the input (sp_input="gather"), the gather is the boundary's. A column
         with no sibling gets None: it keeps its own collective, chunked for overlap."""
-        from meshspeed.tensor_parallel.layers import SharedGather
-
         if sp and any(name.startswith(g + ".") for g in self.gathered):
             return boundaries.ALREADY_GATHERED
         parent = name.rpartition(".")[0]
@@ -165,8 +165,6 @@ class _Splitter:
         return self.gathers[parent]
 
     def _build(self, a: Assignment, module: nn.Module) -> nn.Module:
-        from meshspeed.tensor_parallel import layers  # the other half of the package
-
         kind, sp = a.entry.kind, self._sp(a)
         chunks = self.chunks
         if kind in ("column", "row"):

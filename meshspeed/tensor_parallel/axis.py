@@ -77,8 +77,8 @@ def check_requested_group(model: nn.Module, mesh: Topology) -> None:
 def _check_presplit(model: nn.Module, mesh: Topology) -> None:
     want = mesh.ranks("tp")
     for name, sub in model.named_modules():
-        shards = sub.tp_shards if isinstance(getattr(sub, "tp_shards", None), dict) else None
-        group = sub.group if shards else None
+        # a layer split by the user carries `tp_shards` and, when it communicates, its `group`
+        group = getattr(sub, "group", None) if getattr(sub, "tp_shards", None) else None
         if group is not None and sorted(dist.get_process_group_ranks(group)) != want:
             raise ConfigError([(f"{name}: split over ranks {sorted(dist.get_process_group_ranks(group))}, "
                                f"but this run's tensor-parallel group is {want}; split the model "

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from meshspeed.comm.differentiable import all_gather_sequence, scatter_to_parallel
+from meshspeed.comm.differentiable import gather_from_parallel
 
 SEQ_DIM = 1  # (B, T, hidden) everywhere a boundary is drawn
 
@@ -46,8 +48,6 @@ def install(module: nn.Module, entry: Any, group: Any, sequence_parallel: bool) 
     """Add the entry's boundary hooks (none without sequence parallelism)."""
     if not sequence_parallel:
         return
-    from meshspeed.comm.differentiable import all_gather_sequence, scatter_to_parallel
-
     if entry.sp_input is not None:
         op = scatter_to_parallel if entry.sp_input == "scatter" else all_gather_sequence
         module.register_forward_pre_hook(_InputHook(op, group), with_kwargs=True)
@@ -75,8 +75,6 @@ class _OutputHook:
         self.group = group
 
     def __call__(self, module: nn.Module, args: tuple, output: Any):
-        from meshspeed.comm.differentiable import gather_from_parallel
-
         if torch.is_tensor(output):
             return gather_from_parallel(output, self.group, SEQ_DIM)
         if isinstance(output, tuple) and output and torch.is_tensor(output[0]):

@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from meshspeed.tensor_parallel.plan import PlanEntry, PlanError, normalize, resolve
+from meshspeed.tensor_parallel.apply import default_plan
 
 _SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim", "gather_output",
               "model_types", "grad_allreduce")
@@ -42,8 +43,6 @@ _WHERE = "tensor_parallel.partition_config"
 
 def plan_from_deepspeed(partition_config: dict | None, model: nn.Module) -> dict[str, PlanEntry]:
     """A meshspeed plan for `model` from DeepSpeed's `partition_config` (None: defaults)."""
-    from meshspeed.tensor_parallel.apply import default_plan
-
     config = dict(partition_config or {})
     unknown = sorted(set(config) - {"use_default_specs", "layer_specs", "strict_mode",
                                     "lm_head_patterns", "embedding_partition_dim"})

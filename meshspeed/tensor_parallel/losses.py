@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from meshspeed.tensor_parallel.plan import HF_LOSS
+from meshspeed.tensor_parallel.layers import vocab_parallel_cross_entropy
+from meshspeed.tensor_parallel.layers import VocabParallelCrossEntropy
 
 
 def vocab_range(head: nn.Module) -> tuple[int, int]:
@@ -38,8 +40,6 @@ class HFCausalLMLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
                  num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
                  shift_labels: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
-        from meshspeed.tensor_parallel.layers import vocab_parallel_cross_entropy
-
         if shift_labels is None:  # tokens < n predict n; the last position predicts nothing
             labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:]
@@ -62,8 +62,6 @@ def install_loss(model: nn.Module, name: str, head: nn.Module, group: Any) -> No
     if name == HF_LOSS:
         model.loss_function = HFCausalLMLoss(group, start, size)
         return
-    from meshspeed.tensor_parallel.layers import VocabParallelCrossEntropy
-
     old = model.get_submodule(name)
     new = VocabParallelCrossEntropy(group, vocab_start=start, vocab_size=size,
                                     ignore_index=old.ignore_index, reduction=old.reduction)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from meshspeed.models.gpt import GPT, GPTConfig
+import meshspeed
 
 TINY = GPTConfig(vocab_size=16, max_seq_len=4, n_layer=1, n_head=2, d_model=8)
 
@@ -12,8 +13,6 @@ TINY = GPTConfig(vocab_size=16, max_seq_len=4, n_layer=1, n_head=2, d_model=8)
 def small_engine(stage: int = 0, cfg: GPTConfig = TINY, seed: int = 0, **config):
     """`meshspeed.initialize` over `GPT(cfg)` built from `seed`: micro-batch 1, AdamW lr 1e-3,
     ZeRO `stage`; keyword arguments are merged into the config."""
-    import meshspeed
-
     torch.manual_seed(seed)
     model = GPT(cfg)
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

@@ -99,7 +99,7 @@ def pool_pids(world_size: int) -> list[int] | None:
 
 def world_sizes(*sizes: int) -> Any:
     """`@world_sizes(2, 4)` parametrizes a test over an argument `world_size`."""
-    import pytest
+    import pytest  # lazy: only under pytest
 
     return pytest.mark.parametrize("world_size", sizes, ids=[f"ws{n}" for n in sizes])
 

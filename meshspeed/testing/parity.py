@@ -14,6 +14,12 @@ import torch
 from torch import nn
 
 from meshspeed.models.gpt import GPT, GPTConfig
+from meshspeed.models.gpt_pipe import GPTPipe
+from meshspeed import comm
+from meshspeed.parallel.gather import gathered
+from meshspeed.topology.shards import TPShard, shards_by_param
+from meshspeed.testing import run_distributed
+import meshspeed
 
 
 @dataclass
@@ -93,8 +99,6 @@ class ParitySetup:
 def build_model(setup: ParitySetup, seed: int = 0, stages: int = 1) -> nn.Module:
     torch.manual_seed(seed)
     if setup.pp > 1:  # the reference is the same pipeline form in one stage
-        from meshspeed.models.gpt_pipe import GPTPipe
-
         return GPTPipe(setup.gpt_config(), num_stages=stages, base_seed=seed + 1234,
                        virtual_stages=setup.virtual if stages > 1 else 1,
                        activation_checkpoint_interval=setup.checkpoint_interval if stages > 1 else 0)
@@ -108,7 +112,7 @@ def build_model(setup: ParitySetup, seed: int = 0, stages: int = 1) -> nn.Module
 def _hf_model(setup: ParitySetup) -> nn.Module:
     """A small randomly initialised transformers model (built from a config, never
     downloaded), eager attention and no dropout so one process and tp ranks compute alike."""
-    import transformers
+    import transformers  # lazy: optional dependency (dev extra)
 
     c = setup.gpt_config()
     if setup.family == "llama":
@@ -175,7 +179,6 @@ def reference_run(setup: ParitySetup, optimizer_cls: type | None = None) -> tupl
 
 def engine_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Runs on every rank of an initialised world of `setup.world` ranks."""
-    import meshspeed
     model = build_model(setup, stages=setup.pp)
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=copy.deepcopy(setup.ds_config()))
@@ -187,8 +190,6 @@ def engine_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]
 def counted_steps(engine, setup: ParitySetup) -> tuple[list[dict[str, int]], list[float]]:
     """One engine step per global batch on this rank's rows: per step the bytes moved by
     collective kind (CommCounter), and the losses."""
-    from meshspeed import comm
-
     rows = slice(comm.get_rank() * setup.micro, (comm.get_rank() + 1) * setup.micro)
     per_step, losses = [], []
     for batch in make_batches(setup):
@@ -215,8 +216,6 @@ def train_batches(engine, setup: ParitySetup, first: int = 0, last: int | None =
 
 def pipeline_state_dict(engine) -> dict[str, torch.Tensor]:
     """Every stage's whole parameters, merged over the pipeline group (a collective)."""
-    from meshspeed import comm
-
     merged: dict[str, torch.Tensor] = {}
     for part in comm.all_gather_object(full_state_dict(engine), group=engine.mesh.group("pp")):
         merged.update(part)
@@ -226,8 +225,6 @@ def pipeline_state_dict(engine) -> dict[str, torch.Tensor]:
 def train_steps(engine, setup: ParitySetup, first: int = 0, last: int | None = None) -> list[float]:
     """Optimizer steps [first, last) of the setup's batches on this rank's rows; returns
     the global mean loss of each step."""
-    from meshspeed import comm
-
     rank = engine.mesh.coord("dp")
     rows = slice(rank * setup.micro, (rank + 1) * setup.micro)
     losses = []
@@ -247,8 +244,6 @@ def train_steps(engine, setup: ParitySetup, first: int = 0, last: int | None = N
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
     """Whole parameters (gathered under stage 3, and from the tensor-parallel pieces) as
     fp32 copies, plus buffers."""
-    from meshspeed.parallel.gather import gathered
-
     module = engine.module
     with gathered(list(module.parameters())):
         state = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
@@ -258,9 +253,6 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
 def logical_state(module: nn.Module, state: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
     """`state` with every tensor-parallel piece replaced by the whole parameter (a
     collective over the tp group: every tp rank's local tensor is gathered)."""
-    from meshspeed import comm
-    from meshspeed.topology.shards import TPShard, shards_by_param
-
     split = shards_by_param(module)
     if not split:
         return state
@@ -297,8 +289,6 @@ def engine_runs(setups: list[ParitySetup]) -> list[tuple[list[float], dict[str, 
 def check_parity(setups: list[ParitySetup], rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Run `setups` (all with the same world size) on the harness and compare each with
     its one-process reference; raises AssertionError naming the failing setup."""
-    from meshspeed.testing import run_distributed
-
     world = setups[0].world
     assert all(s.world == world for s in setups), "one world size per call"
     results = run_distributed(engine_runs, world_size=world, args=(setups,), timeout=600)[0]

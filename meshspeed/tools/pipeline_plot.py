@@ -33,6 +33,11 @@ from pathlib import Path
 
 from meshspeed.parallel.pipeline.schedule import SCHEDULES, ScheduleError, build, simulate
 from meshspeed.parallel.pipeline.timeline import Span, bubble_fraction, from_json, from_simulation
+from meshspeed.models.gpt import GPTConfig
+from meshspeed.models.gpt_pipe import GPTPipe
+from meshspeed.testing import run_distributed
+import torch
+import meshspeed
 
 COLOURS = {"F": "#4c72b0", "B": "#55a868", "I": "#dd8452", "W": "#8172b2"}
 NAMES = {"F": "forward", "B": "backward", "I": "input grad (I)", "W": "weight grad (W)"}
@@ -131,9 +136,9 @@ def simulated_spans(schedule: str, stages: int, micro_batches: int, virtual_stag
 
 def _figure_class():
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: optional dependency (plots extra)
+        from matplotlib.figure import Figure  # lazy: optional dependency (plots extra)
+        from matplotlib.patches import Patch  # lazy: optional dependency (plots extra)
     except ImportError:
         raise PlotError("drawing a pipeline timeline needs matplotlib, which is not installed: "
                         "pip install meshspeed[plots]") from None
@@ -195,12 +200,6 @@ def title_for(info: dict, bubble: float, simulated: bool) -> str:
 def _plot_rank(schedule: str, micro_batches: int, virtual_stages: int, batches: int) -> list:
     """On each of `stages` ranks: train a tiny GPTPipe and return the last batch's timeline
     (plain tuples, every rank the same)."""
-    import torch
-
-    import meshspeed
-    from meshspeed.models.gpt import GPTConfig
-    from meshspeed.models.gpt_pipe import GPTPipe
-
     torch.set_num_threads(1)
     p = torch.distributed.get_world_size()
     cfg = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=2 * p * virtual_stages, n_head=2, d_model=128)
@@ -230,8 +229,6 @@ def record_run(schedule: str, stages: int, micro_batches: int, virtual_stages: i
         raise PlotError(f"--stages {stages}: a pipeline run needs at least 2 stages")
     if batches < 1:
         raise PlotError(f"--batches {batches}: run at least 1 batch")
-    from meshspeed.testing import run_distributed
-
     rows = run_distributed(_plot_rank, world_size=stages, args=(schedule, micro_batches, virtual_stages, batches),
                            timeout=timeout)[0]
     return [[Span(*s) for s in row] for row in rows]

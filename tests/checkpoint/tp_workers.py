@@ -174,11 +174,14 @@ def load_error(save_dir: str, tp: int, stage: int) -> str | None:
 
 
 def save_without_topology(save_dir: str) -> str | None:
-    """Layers announce tp=2 pieces but the engine has no topology: a one-line error."""
+    """Layers announce tp=2 pieces but the engine's mesh has no tp axis: a one-line error."""
+    import torch.distributed as dist
+
     from meshspeed.checkpoint import CheckpointError
+    from meshspeed.topology import ParallelDims, build_topology
 
     engine = tp_engine(2, 1)
-    engine.topology = None
+    engine.topology = build_topology(ParallelDims(dist.get_world_size()))
     try:
         engine.save_checkpoint(save_dir)
     except CheckpointError as err:

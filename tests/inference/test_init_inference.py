@@ -12,7 +12,6 @@ import copy
 import json
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -153,10 +152,11 @@ def test_hf_generate_through_module():
 
 # -- quantization and ZeRO-Inference hand-offs ---------------------------------------------------
 def test_quant_calls_quantize_weights(monkeypatch):
+    from meshspeed.inference import engine as engine_module
+
     calls = []
-    fake = types.ModuleType("meshspeed.inference.quant")
-    fake.quantize_weights = lambda model, bits=8, group_size=None: calls.append((bits, group_size)) or model
-    monkeypatch.setitem(sys.modules, "meshspeed.inference.quant", fake)
+    monkeypatch.setattr(engine_module, "quantize_weights",
+                        lambda model, bits=8, group_size=None: calls.append((bits, group_size)) or model)
     init_inference(build("gpt2"), quant={"enabled": True, "bits": 4, "group_size": 32})
     assert calls == [(4, 32)]
     init_inference(build("gpt2"), quant={"enabled": False, "bits": 4})
@@ -164,19 +164,16 @@ def test_quant_calls_quantize_weights(monkeypatch):
 
 
 def _zero_handoff():
+    from meshspeed.inference import engine as engine_module
+
     calls = []
-    fake = types.ModuleType("meshspeed.inference.zero_inference")
-    fake.partition_for_inference = lambda model, cfg, group: calls.append(
+    real = engine_module.partition_for_inference
+    engine_module.partition_for_inference = lambda model, cfg, group: calls.append(
         (dict(cfg), torch.distributed.get_world_size(group)))
-    saved = sys.modules.get("meshspeed.inference.zero_inference")
-    sys.modules["meshspeed.inference.zero_inference"] = fake
     try:
         init_inference(build("gpt2"), zero={"stage": 3, "offload_param": {"device": "cpu"}})
     finally:
-        if saved is None:
-            sys.modules.pop("meshspeed.inference.zero_inference")
-        else:
-            sys.modules["meshspeed.inference.zero_inference"] = saved
+        engine_module.partition_for_inference = real
     return calls
 
 

@@ -1,4 +1,5 @@
-"""Measurements the planner's predictions are checked against (tests/planner/test_plan_measured.py):
+"""Measurements the planner's predictions are checked against (tests/planner/test_plan_measured.py,
+and the step-time order in benchmarks/planner_order.py):
 run on gloo ranks through meshspeed.testing.run_distributed, one engine per configuration.
 
 Note [measured peak]
@@ -12,14 +13,11 @@ peak of torch tensor memory: no fragmentation, no interpreter.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.utils.checkpoint as ckpt
 
 
-def _build(model_fields: dict, config: dict, checkpointing: bool):
+def build_engine(model_fields: dict, config: dict, checkpointing: bool):
     import meshspeed
     from meshspeed.models.gpt import GPT, GPTConfig
 
@@ -39,13 +37,13 @@ def _recomputed(forward):
     return run
 
 
-def _step(engine, batch):
+def run_step(engine, batch):
     for x, y in batch:
         engine.backward(engine(x, y))
         engine.step()
 
 
-def _batch(engine, model_fields, seq_len):
+def batch_for(engine, model_fields, seq_len):
     from meshspeed import comm
 
     g = torch.Generator().manual_seed(comm.get_rank())
@@ -60,12 +58,12 @@ def states_and_peak(model_fields: dict, config: dict, seq_len: int, checkpointin
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(1)
-    engine = _build(model_fields, config, checkpointing)
-    batch = _batch(engine, model_fields, seq_len)
-    _step(engine, batch)  # the optimizer state exists from here on
+    engine = build_engine(model_fields, config, checkpointing)
+    batch = batch_for(engine, model_fields, seq_len)
+    run_step(engine, batch)  # the optimizer state exists from here on
     start = engine.memory_breakdown()["total"]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(engine, batch)
+        run_step(engine, batch)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
     live = peak = 0
@@ -76,56 +74,3 @@ def states_and_peak(model_fields: dict, config: dict, seq_len: int, checkpointin
     engine.backward(engine(x, y))  # mid-accumulation when gas > 1: gradients are held
     mem = engine.memory_breakdown()
     return {"mem": mem, "peak": start + peak, "start": start}
-
-
-def calibrate(small: int = 1 << 15, large: int = 1 << 22, repeats: int = 15) -> dict:
-    """The links' figures for the cost model, from 2-rank gloo all-reduces, each the
-    median of `repeats` timings. The latency alpha is measured between pieces of compute,
-    as training meets it: (matmul + small all-reduce) - matmul alone. On a loaded machine
-    that is far more than back-to-back all-reduces show, since each collective waits
-    until both ranks are scheduled. The bandwidth comes from the large message."""
-    from meshspeed import comm
-
-    torch.set_num_threads(1)
-    a, b = torch.randn(256, 128), torch.randn(128, 256)
-    small_buf, large_buf = torch.zeros(small // 4), torch.zeros(large // 4)
-
-    def median_time(fn):
-        fn()
-        comm.barrier()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-
-    work = median_time(lambda: a @ b)
-    with_ar = median_time(lambda: (a @ b, comm.all_reduce(small_buf)))
-    big = median_time(lambda: comm.all_reduce(large_buf))
-    world = comm.get_world_size()  # 2: the fit below is for two ranks
-    # all-reduce of 2 ranks: 2 alpha + bytes / bw (Note [collective times])
-    ring = 2 * (world - 1) / world
-    bw = ring * large / big
-    alpha = max(with_ar - work - ring * small / bw, 1e-6) / 2
-    return {"bandwidth": bw, "alpha": alpha}
-
-
-def step_times(model_fields: dict, runs: list[tuple[dict, int, bool]], rounds: int = 4) -> dict:
-    """Seconds per optimizer step of each (config, seq_len, checkpointing): all engines are
-    built first, then timed in turn, one step each per round, `rounds` rounds after a
-    warm-up step; the minimum over rounds is kept. Interleaving spreads the load of a
-    shared machine over every configuration alike, and the minimum is the figure least
-    disturbed by it. Also returns the calibration figures."""
-    torch.set_num_threads(1)
-    engines = [(_build(model_fields, config, ck), seq) for config, seq, ck in runs]
-    batches = [_batch(engine, model_fields, seq) for engine, seq in engines]
-    for (engine, _), batch in zip(engines, batches):
-        _step(engine, batch)
-    best = [float("inf")] * len(engines)
-    for _ in range(rounds):
-        for i, ((engine, _), batch) in enumerate(zip(engines, batches)):
-            t0 = time.perf_counter()
-            _step(engine, batch)
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return {"calibration": calibrate(), "times": best}

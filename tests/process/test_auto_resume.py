@@ -10,7 +10,6 @@ import random
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,15 +20,15 @@ from tests.process import restart_script
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(out_dir: Path, kill_at: int) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(out_dir: Path, kill_at: int) -> subprocess.CompletedProcess:
+    """The job, bounded by 240 s, less than the script's 300 s comms_timeout: a survivor
+    left waiting for the dead rank (instead of being stopped) fails the test by timing out."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    start = time.monotonic()
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "meshspeed.cli", "run", "--nproc-per-node", "2", "--max-restarts", "1",
          str(Path(restart_script.__file__)), str(out_dir), str(kill_at)],
         check=False, capture_output=True, text=True, timeout=240, env=env, cwd=out_dir)
-    return proc, time.monotonic() - start
 
 
 def _steps(log: Path) -> dict[int, list[tuple[int, float]]]:
@@ -48,7 +47,7 @@ def test_a_killed_rank_restarts_and_the_job_ends_as_if_never_interrupted(tmp_pat
     killed, reference = tmp_path / "killed", tmp_path / "reference"
     killed.mkdir()
     reference.mkdir()
-    proc, seconds = _launch(killed, kill_at)
+    proc = _launch(killed, kill_at)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert (killed / "killed").exists(), "rank 1 never killed itself: the test tested nothing"
@@ -61,9 +60,6 @@ def test_a_killed_rank_restarts_and_the_job_ends_as_if_never_interrupted(tmp_pat
                         r".*: rank 1 \(process \d+\) died", out, re.MULTILINE)
     failed = re.search(r"PeerLostError: rank 0: .*\n(.*\n)*?.*rank 1: its process \d+ is gone: rank 1 died", out)
     assert stopped or failed, out[-4000:]
-    # both attempts, restart included, in less than the 300 s comms_timeout a hung rank 0
-    # would have waited: the survivor was stopped, not left to time out
-    assert seconds < 120, f"the run took {seconds:.0f} s"
 
     # attempt 0 ran up to the killed step; attempt 1 started at the last checkpoint before it
     steps = _steps(killed / "log-rank0.txt")

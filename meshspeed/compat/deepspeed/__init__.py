@@ -9,16 +9,28 @@ in meshspeed/compat/paths.py). Everything is imported on first use.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
-import meshspeed
+from meshspeed.version import DEEPSPEED_VERSION
 
-__version__ = meshspeed.__version__
+__version__ = DEEPSPEED_VERSION
+__version_major__, __version_minor__, __version_patch__ = (int(n) for n in __version__.split("+")[0].split("."))
 
-# DeepSpeed's top-level names that are not meshspeed's: name -> (module, attribute)
+# DeepSpeed's top-level names: name -> (module, attribute); a subpackage of the mirror or of
+# meshspeed (`deepspeed.moe`, `deepspeed.runtime`) is found by name instead
 _NAMES = {
+    "initialize": ("meshspeed.compat.api", "initialize"),
+    "tp_model_init": ("meshspeed.compat.api", "tp_model_init"),
+    "set_autotp_mode": ("meshspeed.compat.api", "set_autotp_mode"),
+    "init_distributed": ("meshspeed.process.distributed", "init_distributed"),
+    "init_inference": ("meshspeed.inference.engine", "init_inference"),
+    "add_config_arguments": ("meshspeed.compat.deepspeed.arguments", "add_config_arguments"),
     "DeepSpeedEngine": ("meshspeed.compat.deepspeed.runtime.engine", "DeepSpeedEngine"),
     "PipelineEngine": ("meshspeed.compat.deepspeed.runtime.pipe.engine", "PipelineEngine"),
+    "PipelineModule": ("meshspeed.compat.deepspeed.pipe", "PipelineModule"),
+    "get_accelerator": ("meshspeed.process.accelerator", "get_accelerator"),
+    "ConfigError": ("meshspeed.config.errors", "ConfigError"),
 }
 
 
@@ -28,13 +40,18 @@ def __getattr__(name: str) -> Any:
     if name in _NAMES:
         module, attr = _NAMES[name]
         value = getattr(importlib.import_module(module), attr)
-    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a mirrored subpackage
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:  # meshspeed's own public name or package (`deepspeed.initialize`, `deepspeed.moe`)
-        value = getattr(meshspeed, name)
+    else:
+        value = None
+        for package in (__name__, "meshspeed"):  # the mirror's subpackage, else meshspeed's
+            if importlib.util.find_spec(f"{package}.{name}") is not None:
+                value = importlib.import_module(f"{package}.{name}")
+                break
+        if value is None:
+            raise AttributeError(f"module 'deepspeed' has no attribute {name!r} (meshspeed does not "
+                                 "provide this part of DeepSpeed's API)")
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_NAMES, *dir(meshspeed)})
+    return sorted({*globals(), *_NAMES})

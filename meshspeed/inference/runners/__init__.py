@@ -10,6 +10,7 @@ from meshspeed.inference.runners.gpt import GPTRunner
 from meshspeed.inference.runners.gpt2 import GPT2Runner
 from meshspeed.inference.runners.llama import FAMILIES as LLAMA_FAMILIES
 from meshspeed.inference.runners.llama import LlamaRunner
+from meshspeed.models.gpt import GPT
 
 
 def runner_for(model) -> CachedRunner:
@@ -18,8 +19,6 @@ def runner_for(model) -> CachedRunner:
     is returned as is."""
     if isinstance(model, CachedRunner):
         return model
-    from meshspeed.models.gpt import GPT
-
     if isinstance(model, GPT):
         return GPTRunner(model)
     family = getattr(getattr(model, "config", None), "model_type", None)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from meshspeed.parallel.pipeline.spec import LayerSpec
 
 
 class PartitionError(ValueError):
@@ -99,16 +100,12 @@ def balanced_cuts(weights: Sequence[int], stages: int) -> list[int]:
 
 
 def _class_name(layer: Any) -> str:
-    from meshspeed.parallel.pipeline.module import LayerSpec
-
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
     return type(layer).__name__ if isinstance(layer, nn.Module) else getattr(layer, "__name__", "")
 
 
 def _param_count(layer: Any) -> int:
-    from meshspeed.parallel.pipeline.module import LayerSpec
-
     if isinstance(layer, LayerSpec):
         with torch.device("meta"):  # counted without memory: only the owner stage builds it
             layer = layer.build()

@@ -42,9 +42,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from meshspeed import comm
 from meshspeed.parallel.zero.init_shards import InitShards, is_partitioned
-from meshspeed.parallel.zero.init_spill import nvme_path_from, offload_param_device
+from meshspeed.parallel.zero.init_spill import nvme_path_from, offload_param_of
 from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
 from meshspeed.process.malloc import release_free_heap, tune_host_allocator
+from meshspeed.parallel.zero.init_spill import ChunkFile
+from meshspeed.process.distributed import init_distributed
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 
 class Init:
@@ -62,9 +65,10 @@ class Init:
         # "nvme": chunks go to a file as they are cut (Note [building straight to NVMe]);
         # unset, it follows the config's offload_param.device, as in DeepSpeed
         config = config_dict_or_path if config_dict_or_path is not None else config
+        offload = offload_param_of(config)
         if remote_device is None:
-            remote_device = offload_param_device(config)
-        self._spill_dir = nvme_path_from(config) if remote_device == "nvme" and enabled else None
+            remote_device = offload.device if offload is not None else None
+        self._spill_dir = nvme_path_from(offload) if remote_device == "nvme" and enabled else None
         self.dtype = dtype
         self.seed = seed
         self.peak_materialized_bytes = 0
@@ -143,8 +147,6 @@ class Init:
     def _spill(self):
         if self._spill_dir is None:
             return None
-        from meshspeed.parallel.zero.init_spill import ChunkFile
-
         return ChunkFile(self._spill_dir, comm.get_rank())
 
     @torch.no_grad()
@@ -197,12 +199,8 @@ def _make_real(root: nn.Module, p: nn.Parameter, dtype: torch.dtype) -> nn.Param
 
 def _ensure_distributed() -> None:
     if not comm.is_initialized():
-        from meshspeed.process.distributed import init_distributed
-
         init_distributed()
 
 
 def _recording() -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return any(isinstance(m, Recorder) for m in _get_current_dispatch_mode_stack())

@@ -16,7 +16,6 @@ been taken by `initialize` (the object is collected), or at exit.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -24,36 +23,31 @@ import weakref
 
 import torch
 
-
-def _load(config):
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            return json.load(f)
-    return config
+from meshspeed.config.loader import read_config
+from meshspeed.config.offload import OffloadParamConfig
 
 
-def offload_param_device(config) -> str | None:
-    """`zero_optimization.offload_param.device` of a DeepSpeed config, or None."""
-    config = _load(config)
-    if not isinstance(config, dict):
+def offload_param_of(config) -> OffloadParamConfig | None:
+    """The `zero_optimization.offload_param` section of a DeepSpeed config (a dict or a JSON
+    file), typed by the same class initialize uses; None without one. Only this section is
+    read: zero.Init often gets a config whose other values are still Hugging Face's "auto"."""
+    raw = read_config(config) if config is not None else {}
+    section = (raw.get("zero_optimization") or {}).get("offload_param")
+    if section is None:
         return None
-    return ((config.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
+    return OffloadParamConfig.checked(section, "zero_optimization.offload_param.")
 
 
-def nvme_path_from(config) -> str:
-    """`zero_optimization.offload_param.nvme_path` of a DeepSpeed config (dict or JSON file)."""
-    if config is None:
-        raise ValueError('zero.Init(remote_device="nvme") needs config_dict_or_path: the DeepSpeed '
-                         "config whose zero_optimization.offload_param.nvme_path says where to write")
-    config = _load(config)
-    path = ((config.get("zero_optimization") or {}).get("offload_param") or {}).get("nvme_path")
-    if not path:
-        raise ValueError('zero.Init(remote_device="nvme"): the config has no '
-                         "zero_optimization.offload_param.nvme_path; set it to a directory on a fast local disk")
-    if not os.path.isdir(path):
+def nvme_path_from(offload: OffloadParamConfig | None) -> str:
+    """The directory zero.Init(remote_device="nvme") writes its chunks to."""
+    if offload is None or not offload.nvme_path:
+        raise ValueError('zero.Init(remote_device="nvme") needs config_dict_or_path: the DeepSpeed config '
+                         "whose zero_optimization.offload_param.nvme_path says where to write (a directory "
+                         "on a fast local disk)")
+    if not os.path.isdir(offload.nvme_path):
         raise ValueError(f'zero.Init(remote_device="nvme"): zero_optimization.offload_param.nvme_path '
-                         f"{path!r} is not a directory; create it or point nvme_path elsewhere")
-    return str(path)
+                         f"{offload.nvme_path!r} is not a directory; create it or point nvme_path elsewhere")
+    return str(offload.nvme_path)
 
 
 class ChunkFile:

@@ -5,7 +5,7 @@ of each ZeRO group; qgZ (qgz.py, Note [qgZ's two hops]) reduces inside those sam
 first, or, without hpZ, inside each physical node, then across nodes among the ranks at
 the same place. Each function returns, per ZeRO group, its node blocks (global ranks,
 ascending); `inside` and `across` flatten them into layouts, the same list on every rank,
-for `meshspeed.topology.mesh.group_from_layout`. Launchers place consecutive global ranks
+for `Topology.subgroup` (topology/mesh.py). Launchers place consecutive global ranks
 on a node, so node i holds ranks [i L, (i+1) L).
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from meshspeed import comm
 from meshspeed.checkpoint import engine_api
+from meshspeed.compression.scheduler import compression_scheduler
 from meshspeed.engine.engine import MeshspeedEngine
 from meshspeed.process.distributed import get_local_rank
 
@@ -124,6 +125,11 @@ class DeepSpeedEngineAPI:
 
     def get_model_parallel_world_size(self) -> int:
         return self.topology.size("tp")
+
+    @property
+    def compression_scheduler(self) -> compression_scheduler | None:
+        """The compression_training schedule the engine steps, as DeepSpeed's attribute."""
+        return next((c for c in self._callbacks if isinstance(c, compression_scheduler)), None)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
         return engine_api.save_16bit_model(self, save_dir, save_filename)

@@ -25,6 +25,7 @@ from torch import nn
 from meshspeed.checkpoint.consolidate import consolidate, convert
 from meshspeed.checkpoint.metadata import read_meta
 from meshspeed.checkpoint.paths import resolve
+from safetensors.torch import save_file
 
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
@@ -80,8 +81,6 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag:
         return path
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     if path.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
         save_file(_untied(state), path, metadata={"format": "pt"})
     else:
         torch.save(state, path)
