@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshspeed.planner import plan  # noqa: E402
-from meshspeed.planner.cost import Candidate  # noqa: E402
-from meshspeed.testing import run_distributed  # noqa: E402
-from tests.planner.measure import batch_for, build_engine, run_step  # noqa: E402
+from meshspeed.planner import plan
+from meshspeed.planner.cost import Candidate
+from meshspeed.testing import run_distributed
+from tests.planner.measure import batch_for, build_engine, run_step
 
 SEQ = 64
 CALIBRATION = [Candidate(dp=2, micro_batch=8, grad_accum=1), Candidate(dp=2, micro_batch=1, grad_accum=8)]

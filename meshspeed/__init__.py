@@ -9,9 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from meshspeed.version import __version__  # noqa: E402
-
-from meshspeed.compat.paths import install_meshspeed_names  # noqa: E402
+from meshspeed.compat.paths import install_meshspeed_names
+from meshspeed.version import __version__
 
 install_meshspeed_names()  # Note [DeepSpeed's paths]: meshspeed.zero, meshspeed.runtime, ...
 

@@ -14,19 +14,20 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import tempfile
 import time
-from meshspeed.models.gpt import GPTConfig
+
+import torch
+from torch.distributed import run as torchrun
+from tqdm import tqdm
+
+import meshspeed
 from meshspeed import comm
 from meshspeed.data import ByteWindows, RepeatingLoader, stdlib_corpus, unigram_entropy
-from meshspeed.models.gpt import GPT, param_count
+from meshspeed.models.gpt import GPT, GPTConfig, param_count
 from meshspeed.offload import close
-from torch.distributed import run as torchrun
-import socket
-import torch
-from tqdm import tqdm
-import meshspeed
 
 DEMO_MODEL = {"vocab_size": 256, "max_seq_len": 128, "n_layer": 4, "n_head": 4, "d_model": 128}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")  # --offload: zero_optimization.offload_* "device"

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from meshspeed.autotune.trial import TuneError
-from meshspeed.config import ConfigError
 from meshspeed.autotune.tuner import autotune
+from meshspeed.config import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,8 +29,8 @@ from meshspeed.checkpoint.snapshot import (
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
 from meshspeed.checkpoint.tp_ranges import logical_shape
 from meshspeed.parallel.buckets import split_by_numel
-from meshspeed.topology.shards import TPShard
 from meshspeed.parallel.gather import gathered
+from meshspeed.topology.shards import TPShard
 
 GATHER_NUMEL = 2**26  # parameters gathered together (at least the largest one)
 

@@ -24,10 +24,10 @@ from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import CLIENT_TENSORS, META, resolve
 from meshspeed.checkpoint.reshard import ReadPlan, SavedTensors, verify_files
+from meshspeed.checkpoint.resume import resume_tag
 from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers, tp_layout
 from meshspeed.checkpoint.tp_ranges import logical_shape
 from meshspeed.parallel.protocol import RankState, declares
-from meshspeed.checkpoint.resume import resume_tag
 
 log = logging.getLogger("meshspeed")
 

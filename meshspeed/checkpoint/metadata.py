@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
+from meshspeed import comm
 from meshspeed.checkpoint.atomic import read_json
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.paths import META
 from meshspeed.checkpoint.tp_ranges import logical_shape, pieces_cover
 from meshspeed.topology.shards import TPShard
-from meshspeed import comm
 
 FORMAT = "meshspeed-checkpoint"
 VERSION = 1

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 
 from meshspeed.checkpoint.agree import agree, one_line
 from meshspeed.checkpoint.errors import CheckpointError
-import os
-import sys
 
 log = logging.getLogger("meshspeed")
 

@@ -15,6 +15,7 @@ The only module in meshspeed that calls torch.distributed collectives. Conventio
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import re
 import time
@@ -25,11 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from meshspeed.comm import blocked, counter, debug, rollcall, sequence
 from meshspeed.comm.counter import ring_bytes
-import datetime
-from torch.distributed import distributed_c10d
 
 ReduceOpLike = str | dist.ReduceOp
 

@@ -57,7 +57,8 @@ def check(op: str, group: Any, tensor: torch.Tensor | None, same_shape: bool = T
     shape = tuple(tensor.shape) if tensor is not None and same_shape else None
     dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
     mine = (number, op, shape, dtype, sequence.format_location(sequence.call_location()))
-    from meshspeed.comm.collectives import all_gather_object  # lazy: collectives imports this module
+    # lazy: collectives imports this module (a cycle inside comm)
+    from meshspeed.comm.collectives import all_gather_object
 
     try:
         everyone = all_gather_object(mine, group=pg)

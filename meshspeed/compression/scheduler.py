@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
+from meshspeed.compression.compress import compression_config as typed
 from meshspeed.compression.layers import Compressed, Phase
 from meshspeed.config.errors import ConfigError
 from meshspeed.parallel.protocol import StepCallback
-from meshspeed.compression.compress import compression_config as typed
 
 log = logging.getLogger("meshspeed")
 

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from pydantic import ValidationError
 
 from meshspeed.config.batch import BATCH_KEYS, resolve_batch
@@ -15,7 +16,6 @@ from meshspeed.config.errors import ConfigError, problems_from_validation_error
 from meshspeed.config.keys import check_keys
 from meshspeed.config.root import MeshspeedConfig
 from meshspeed.config.unbuilt import classify
-import torch.distributed as dist
 
 logger = logging.getLogger("meshspeed")
 

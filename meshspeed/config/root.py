@@ -9,6 +9,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from meshspeed.config.activation import ActivationCheckpointingConfig
 from meshspeed.config.autotuning import AutotuningConfig
 from meshspeed.config.base import Int, NonNegFloat, PositiveFloat, PositiveInt, StrictModel
+from meshspeed.config.batch import BATCH_KEYS
 from meshspeed.config.checkpoint import CheckpointConfig
 from meshspeed.config.comms import CommDtype, CommsLoggerConfig
 from meshspeed.config.composition import config_features, refusals
@@ -22,7 +23,6 @@ from meshspeed.config.pipeline import PipelineConfig
 from meshspeed.config.precision import BF16Config, FP16Config
 from meshspeed.config.tensor_parallel import TensorParallelConfig
 from meshspeed.config.zero import ZeroConfig
-from meshspeed.config.batch import BATCH_KEYS
 
 if TYPE_CHECKING:
     import torch

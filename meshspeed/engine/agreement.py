@@ -17,11 +17,11 @@ every rank raises the same `DivergenceError`.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from meshspeed import comm
 from meshspeed.comm import sequence
 from meshspeed.comm.sequence import format_location
-import torch.distributed as dist
 
 STEP_COUNTERS = ("global_step", "micro_step", "skipped_steps")
 SEQUENCE_COUNTERS = ("collectives", "collective_digest")  # Note [collective digest]

@@ -33,7 +33,12 @@ from meshspeed.config.composition import FEATURES, check, config_features
 from meshspeed.config.no_effect import report_no_effect
 from meshspeed.data.loader import distributed_dataloader
 from meshspeed.engine.engine import MeshspeedEngine
-from meshspeed.engine.layout import build_layout, describe_layout, mesh_param_degrees, requested_degrees
+from meshspeed.engine.layout import (
+    build_layout,
+    describe_layout,
+    mesh_param_degrees,
+    requested_degrees,
+)
 from meshspeed.engine.parts import Composed
 from meshspeed.engine.pipeline import PipelineEngine
 from meshspeed.moe.axis import apply_ep

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
+
 import torch
 
 from meshspeed import comm

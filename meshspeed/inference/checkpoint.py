@@ -27,16 +27,15 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.metadata import read_meta
+from meshspeed.checkpoint.paths import LATEST, is_checkpoint, resolve
 from meshspeed.checkpoint.reshard import SavedTensors
 from meshspeed.checkpoint.tensorfile import TensorFile
 from meshspeed.topology.shards import TPShard, shards_by_param
-from meshspeed.checkpoint.paths import LATEST, is_checkpoint
-from meshspeed.checkpoint.metadata import read_meta
-from meshspeed.checkpoint.paths import resolve
-from safetensors import safe_open
 
 INDEX = "model.safetensors.index.json"
 

@@ -42,14 +42,14 @@ from meshspeed.inference.config import (
     load_inference_config,
     report_no_effect,
 )
-from meshspeed.inference.runners import runner_for
 from meshspeed.inference.generation import generate
-from meshspeed.process.distributed import init_distributed
-from meshspeed.topology import ParallelDims, build_topology
-from meshspeed.tensor_parallel.apply import apply_tensor_parallel, default_plan
-from meshspeed.inference.quant import quantize_weights
 from meshspeed.inference.inject import inject_kernels
+from meshspeed.inference.quant import quantize_weights
+from meshspeed.inference.runners import runner_for
 from meshspeed.inference.zero_inference import partition_for_inference
+from meshspeed.process.distributed import init_distributed
+from meshspeed.tensor_parallel.apply import apply_tensor_parallel, default_plan
+from meshspeed.topology import ParallelDims, build_topology
 
 log = logging.getLogger("meshspeed")
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from meshspeed.inference.protocol import Cache, Runner
-from meshspeed.inference.sampling import SamplingParams, next_tokens
 from meshspeed.inference.runners import runner_for
+from meshspeed.inference.sampling import SamplingParams, next_tokens
 
 
 class RequestState(enum.Enum):

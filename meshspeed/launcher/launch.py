@@ -30,17 +30,17 @@ import tempfile
 from typing import NamedTuple
 
 import torch
-
-from meshspeed.launcher import ds_launcher
-from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError
-from meshspeed.compat.alias import write_shim
-from meshspeed.autotune.trial import TuneError, substitute
-from meshspeed.autotune.tuner import autotune
-from meshspeed.config import ConfigError
-from torch.distributed.run import get_args_parser
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun_main
+
+from meshspeed.autotune.trial import TuneError, substitute
+from meshspeed.autotune.tuner import autotune
+from meshspeed.compat.alias import write_shim
+from meshspeed.config import ConfigError
+from meshspeed.launcher import ds_launcher
+from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError
 
 PASSTHROUGH = True  # meshspeed.cli hands options it does not know to us as `args.extra`
 

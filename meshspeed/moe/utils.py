@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from meshspeed.moe.layer import MoE
 
 __all__ = ["is_moe_param", "is_moe_param_group", "split_params_into_different_moe_groups_for_optimizer"]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from meshspeed import comm
 
 PROBE_ENV = "MESHSPEED_AUTOTUNE_PROBE"

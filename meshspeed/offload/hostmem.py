@@ -17,6 +17,7 @@ import logging
 import os
 
 import torch
+
 from meshspeed.process.accelerator import get_accelerator
 
 log = logging.getLogger("meshspeed")

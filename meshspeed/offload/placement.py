@@ -40,16 +40,16 @@ import logging
 import torch
 from torch import nn
 
+from meshspeed import comm
 from meshspeed.offload.grad_files import grad_placeholder
 from meshspeed.offload.hostmem import host_empty
+from meshspeed.offload.masters import SwappedMaster
 from meshspeed.offload.optimizer import BackgroundStep
+from meshspeed.offload.swapdir import SwapDir
 from meshspeed.parallel.zero.flat import publish_all
 from meshspeed.parallel.zero.placement import DevicePlacement
-from meshspeed.process.malloc import release_free_heap
-from meshspeed.offload.masters import SwappedMaster
 from meshspeed.process.accelerator import get_accelerator
-from meshspeed import comm
-from meshspeed.offload.swapdir import SwapDir
+from meshspeed.process.malloc import release_free_heap
 
 log = logging.getLogger("meshspeed")
 

@@ -16,20 +16,19 @@ import torch
 
 from meshspeed import comm
 from meshspeed.config.errors import ConfigError
+from meshspeed.offload.aio import SwapEngine
+from meshspeed.offload.grad_files import GradFiles
 from meshspeed.offload.hostmem import available_host_bytes, local_world_size
 from meshspeed.offload.kernels import AdamRule, SgdRule
+from meshspeed.offload.masters import MasterFiles
+from meshspeed.offload.optimizer import OffloadOptimizer
+from meshspeed.offload.param import HostShardStore, NvmeShardStore
 from meshspeed.offload.placement import OffloadPlacement
+from meshspeed.offload.state import HostStore, SwapStore
 from meshspeed.offload.swapdir import check_nvme_path
+from meshspeed.planner.offload import WRITES_IN_FLIGHT
 from meshspeed.process.accelerator import get_accelerator
 from meshspeed.process.distributed import get_local_rank
-from meshspeed.offload.aio import SwapEngine
-from meshspeed.offload.masters import MasterFiles
-from meshspeed.offload.grad_files import GradFiles
-from meshspeed.offload.param import HostShardStore, NvmeShardStore
-from meshspeed.planner.offload import WRITES_IN_FLIGHT
-from meshspeed.offload.optimizer import OffloadOptimizer
-from meshspeed.offload.state import HostStore
-from meshspeed.offload.state import SwapStore
 
 log = logging.getLogger("meshspeed")
 

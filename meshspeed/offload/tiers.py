@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from meshspeed.parallel.memory import CATEGORIES, optimizer_state_tensors
 from meshspeed.offload.optimizer import OffloadOptimizer
+from meshspeed.parallel.memory import CATEGORIES, optimizer_state_tensors
 from meshspeed.process.accelerator import get_accelerator
 
 TIERS = ("device", "host", "nvme")

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from meshspeed.optim.onebit import OneBitAdam
-from meshspeed.optim.zero_one import ZeroOneAdam
 from meshspeed.optim.onebit_lamb import OneBitLamb
+from meshspeed.optim.zero_one import ZeroOneAdam
 
 _COMMON = {"lr", "weight_decay"}
 _ALLOWED = {

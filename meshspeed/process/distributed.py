@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import re
@@ -21,11 +22,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from meshspeed.comm import rollcall, sequence
+from meshspeed.comm import collectives, rollcall, sequence
 from meshspeed.process.accelerator import Accelerator, get_accelerator
 from meshspeed.process.stopped import install_stop_report
-from meshspeed.comm import collectives
-import gc
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,10 @@ import signal
 import sys
 import threading
 from types import FrameType
-from meshspeed.comm import rollcall
+
 import torch.distributed as dist
+
+from meshspeed.comm import rollcall
 
 _installed = False
 

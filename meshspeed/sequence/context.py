@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 
 from meshspeed.config.context_parallel import ContextParallelConfig
-from meshspeed.sequence.sharding import SequenceLayout
-from meshspeed.topology import Topology
 from meshspeed.sequence.groups import hybrid_groups
+from meshspeed.sequence.hybrid import hybrid_attention
 from meshspeed.sequence.layer import ulysses_attention
 from meshspeed.sequence.ring import ring_attention
-from meshspeed.sequence.hybrid import hybrid_attention
+from meshspeed.sequence.sharding import SequenceLayout
+from meshspeed.topology import Topology
 
 
 class ContextParallel:

@@ -69,7 +69,10 @@ def attach(model: nn.Module, ctx: ContextParallel) -> bool:
 
 def _attach_hf(model: nn.Module, ctx: ContextParallel) -> bool:
     try:
-        from transformers import AttentionInterface, PreTrainedModel  # lazy: optional dependency (dev extra)
+        from transformers import (  # lazy: optional dependency (dev extra)
+            AttentionInterface,
+            PreTrainedModel,
+        )
     except ImportError:
         return False
     if not isinstance(model, PreTrainedModel):

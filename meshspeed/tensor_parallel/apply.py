@@ -15,8 +15,12 @@ from typing import Any
 
 from torch import nn
 
-from meshspeed.tensor_parallel import boundaries
+from meshspeed.tensor_parallel import (
+    boundaries,
+    layers,  # the other half of the package
+)
 from meshspeed.tensor_parallel.hf import after_split, hf_plan
+from meshspeed.tensor_parallel.layers import SharedGather
 from meshspeed.tensor_parallel.losses import install_loss
 from meshspeed.tensor_parallel.plan import (
     HF_LOSS,
@@ -29,8 +33,6 @@ from meshspeed.tensor_parallel.plan import (
     resolve,
 )
 from meshspeed.topology.shards import shards_by_param
-from meshspeed.tensor_parallel.layers import SharedGather
-from meshspeed.tensor_parallel import layers  # the other half of the package
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: Any, plan: dict | None = None, *,

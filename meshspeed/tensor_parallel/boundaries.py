@@ -27,8 +27,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from meshspeed.comm.differentiable import all_gather_sequence, scatter_to_parallel
-from meshspeed.comm.differentiable import gather_from_parallel
+
+from meshspeed.comm.differentiable import (
+    all_gather_sequence,
+    gather_from_parallel,
+    scatter_to_parallel,
+)
 
 SEQ_DIM = 1  # (B, T, hidden) everywhere a boundary is drawn
 

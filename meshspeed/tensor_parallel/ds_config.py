@@ -32,8 +32,8 @@ from typing import Any
 
 from torch import nn
 
-from meshspeed.tensor_parallel.plan import PlanEntry, PlanError, normalize, resolve
 from meshspeed.tensor_parallel.apply import default_plan
+from meshspeed.tensor_parallel.plan import PlanEntry, PlanError, normalize, resolve
 
 _SPEC_KEYS = ("patterns", "partition_type", "shape", "partition_dim", "gather_output",
               "model_types", "grad_allreduce")

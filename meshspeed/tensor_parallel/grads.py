@@ -13,10 +13,10 @@ one flat all-reduce, not once per micro-batch in backward.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
-
-from dataclasses import replace
 
 from meshspeed import comm
 from meshspeed.parallel.protocol import StepPart

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshspeed.tensor_parallel.layers import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from meshspeed.tensor_parallel.plan import HF_LOSS
-from meshspeed.tensor_parallel.layers import vocab_parallel_cross_entropy
-from meshspeed.tensor_parallel.layers import VocabParallelCrossEntropy
 
 
 def vocab_range(head: nn.Module) -> tuple[int, int]:

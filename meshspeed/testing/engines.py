@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from meshspeed.models.gpt import GPT, GPTConfig
 import meshspeed
+from meshspeed.models.gpt import GPT, GPTConfig
 
 TINY = GPTConfig(vocab_size=16, max_seq_len=4, n_layer=1, n_head=2, d_model=8)
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+import meshspeed
+from meshspeed import comm
 from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.models.gpt_pipe import GPTPipe
-from meshspeed import comm
 from meshspeed.parallel.gather import gathered
-from meshspeed.topology.shards import TPShard, shards_by_param
 from meshspeed.testing import run_distributed
-import meshspeed
+from meshspeed.topology.shards import TPShard, shards_by_param
 
 
 @dataclass
@@ -45,6 +45,7 @@ class ParitySetup:
     pp: int = 1  # pipeline stages (the GPT's pipeline form, meshspeed.models.gpt_pipe)
     schedule: str = "1f1b"  # pipeline.schedule
     virtual: int = 1  # PipelineModule(virtual_stages=...), for "interleaved"
+    virtual_in_config: bool = False  # say `virtual` as pipeline.virtual_stages, build the module with 1
     checkpoint_interval: int = 0  # PipelineModule(activation_checkpoint_interval=...), engine side
     cp: int = 1  # context-parallel degree (each sequence split over cp ranks)
     cp_mode: str = "ring_balanced"  # context_parallel.mode; "sp": DeepSpeed's sequence_parallel_size
@@ -83,6 +84,8 @@ class ParitySetup:
                                       "tp_overlap_comm": self.overlap}
         if self.pp > 1:
             cfg["pipeline"] = {"schedule": self.schedule}
+            if self.virtual_in_config:
+                cfg["pipeline"]["virtual_stages"] = self.virtual
         if self.cp > 1 and self.cp_mode == "sp":
             cfg["sequence_parallel_size"] = self.cp
         elif self.cp > 1:
@@ -100,7 +103,7 @@ def build_model(setup: ParitySetup, seed: int = 0, stages: int = 1) -> nn.Module
     torch.manual_seed(seed)
     if setup.pp > 1:  # the reference is the same pipeline form in one stage
         return GPTPipe(setup.gpt_config(), num_stages=stages, base_seed=seed + 1234,
-                       virtual_stages=setup.virtual if stages > 1 else 1,
+                       virtual_stages=setup.virtual if stages > 1 and not setup.virtual_in_config else 1,
                        activation_checkpoint_interval=setup.checkpoint_interval if stages > 1 else 0)
     model = GPT(setup.gpt_config()) if setup.family == "gpt" else _hf_model(setup)
     if setup.frozen:

@@ -31,13 +31,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from meshspeed.parallel.pipeline.schedule import SCHEDULES, ScheduleError, build, simulate
-from meshspeed.parallel.pipeline.timeline import Span, bubble_fraction, from_json, from_simulation
+import torch
+
+import meshspeed
 from meshspeed.models.gpt import GPTConfig
 from meshspeed.models.gpt_pipe import GPTPipe
+from meshspeed.parallel.pipeline.schedule import SCHEDULES, ScheduleError, build, simulate
+from meshspeed.parallel.pipeline.timeline import Span, bubble_fraction, from_json, from_simulation
 from meshspeed.testing import run_distributed
-import torch
-import meshspeed
 
 COLOURS = {"F": "#4c72b0", "B": "#55a868", "I": "#dd8452", "W": "#8172b2"}
 NAMES = {"F": "forward", "B": "backward", "I": "input grad (I)", "W": "weight grad (W)"}
@@ -136,9 +137,10 @@ def simulated_spans(schedule: str, stages: int, micro_batches: int, virtual_stag
 
 def _figure_class():
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: optional dependency (plots extra)
-        from matplotlib.figure import Figure  # lazy: optional dependency (plots extra)
-        from matplotlib.patches import Patch  # lazy: optional dependency (plots extra)
+        # lazy: optional dependency (the plots extra)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure  # lazy: optional dependency
+        from matplotlib.patches import Patch  # lazy: optional dependency
     except ImportError:
         raise PlotError("drawing a pipeline timeline needs matplotlib, which is not installed: "
                         "pip install meshspeed[plots]") from None

@@ -10,7 +10,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "meshspeed"
 
@@ -117,5 +116,6 @@ def test_the_core_never_names_deepspeed_modules():
 
 def test_the_import_linter_contract_is_kept():
     exe = Path(sys.executable).parent / "lint-imports"
-    proc = subprocess.run([str(exe), "--no-cache"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run([str(exe), "--no-cache"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stdout[-3000:]

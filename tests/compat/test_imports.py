@@ -106,7 +106,6 @@ def test_packages_reach_submodules_as_attributes():
 
 def test_accelerator_has_deepspeed_methods():
     import torch
-
     from meshspeed.accelerator import get_accelerator
 
     acc = get_accelerator()

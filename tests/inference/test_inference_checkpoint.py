@@ -14,8 +14,8 @@ import torch
 import meshspeed
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.inference.engine import init_inference
-from meshspeed.topology.shards import shards_by_param
 from meshspeed.testing import run_distributed
+from meshspeed.topology.shards import shards_by_param
 from tests.inference.test_init_inference import VOCAB, build, device, logits, prompt
 
 

@@ -17,7 +17,6 @@ def _engine(setup, **kw):
 
 def _layout(mode):
     import torch.distributed as dist
-
     from meshspeed.utils import groups
 
     setup = ParitySetup(world=4, cp=2, cp_mode=mode, model={"n_head": 4, "d_model": 32})

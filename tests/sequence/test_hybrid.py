@@ -10,7 +10,6 @@ import functools
 
 from torch.testing import assert_close
 
-from meshspeed.sequence.groups import hybrid_layouts
 from meshspeed.sequence.hybrid import hybrid_attention
 from meshspeed.sequence.ring import BlockCounter
 from meshspeed.sequence.sharding import SequenceLayout

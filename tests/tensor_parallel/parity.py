@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from meshspeed.tensor_parallel import apply_tensor_parallel
-from meshspeed.topology.shards import shards_by_name
 from meshspeed.topology.degrees import ParallelDims
 from meshspeed.topology.mesh import build_topology
+from meshspeed.topology.shards import shards_by_name
 
 RTOL = 1e-5
 

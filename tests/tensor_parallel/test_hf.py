@@ -11,8 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from meshspeed.tensor_parallel import apply_tensor_parallel, plan_from_deepspeed
-from meshspeed.topology.shards import shards_by_name
 from meshspeed.testing import run_distributed
+from meshspeed.topology.shards import shards_by_name
 from tests.tensor_parallel.parity import check_parity, topology
 
 _DECODER = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,

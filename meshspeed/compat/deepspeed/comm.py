@@ -11,11 +11,11 @@ from typing import Any
 import torch.distributed as dist
 
 from meshspeed import comm as _comm
-from meshspeed.comm import *  # noqa: F403 - DeepSpeed's comm names are meshspeed's collectives
+from meshspeed.comm import *
 from meshspeed.comm import __all__ as _collectives
 from meshspeed.process.distributed import get_local_rank, init_distributed
 
-__all__ = [*_collectives, "destroy_process_group", "get_local_rank", "init_distributed"]
+__all__ = [*_collectives, "destroy_process_group", "get_local_rank", "init_distributed"]  # noqa: PLE0604
 
 
 def destroy_process_group(group: Any = None) -> None:

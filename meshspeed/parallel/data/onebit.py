@@ -25,6 +25,6 @@ def apply_onebit(optimizer: torch.optim.Optimizer, strategy: Strategy) -> None:
     if not isinstance(optimizer, CompressedOptimizer):
         return
     if not declares(strategy, LocalGradients):  # the table already refuses every such layout
-        raise ConfigError([f"optimizer.type: {type(optimizer).__name__} needs the data-parallel "
-                           "strategy (ZeRO stage 0), which leaves gradients local on its compressed steps"])
+        raise ConfigError([(f"optimizer.type: {type(optimizer).__name__} needs the data-parallel "
+                            "strategy (ZeRO stage 0), which leaves gradients local on its compressed steps")])
     strategy.leave_gradients_local(optimizer.gradients_local)

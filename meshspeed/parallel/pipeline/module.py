@@ -76,7 +76,7 @@ def _launched_world() -> tuple[int, int]:
     environment, else one process (Note [the mesh binds the stage])."""
     if comm.is_initialized():
         return comm.get_rank(), comm.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 class PipelineModule(nn.Module):
@@ -125,7 +125,7 @@ class PipelineModule(nn.Module):
                 raise ValueError(f"PipelineModule already bound to stage {self.stage_id} with "
                                  f"{self.virtual_stages} virtual stage(s); cannot rebind to {stage}, "
                                  f"{virtual_stages}: build a new PipelineModule")
-            for name in [n for n, _ in self.named_children() if n != "tied_modules"]:
+            for name in [n for n, _ in self.named_children() if n.isdigit()]:  # layers by index
                 delattr(self, name)
             self.parts = partition(self._layers, self.num_stages * virtual_stages, self.partition_method)
             self._build(stage, virtual_stages)

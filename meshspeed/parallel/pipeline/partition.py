@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from meshspeed.parallel.pipeline.spec import LayerSpec
 
 

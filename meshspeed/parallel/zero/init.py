@@ -38,16 +38,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
 from meshspeed import comm
 from meshspeed.parallel.zero.init_shards import InitShards, is_partitioned
-from meshspeed.parallel.zero.init_spill import nvme_path_from, offload_param_of
+from meshspeed.parallel.zero.init_spill import ChunkFile, nvme_path_from, offload_param_of
 from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
-from meshspeed.process.malloc import release_free_heap, tune_host_allocator
-from meshspeed.parallel.zero.init_spill import ChunkFile
 from meshspeed.process.distributed import init_distributed
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from meshspeed.process.malloc import release_free_heap, tune_host_allocator
 
 
 class Init:

@@ -173,8 +173,8 @@ def test_a_bad_data_iterator_fails_every_stage(kind):
 
 
 def _topology_worker():
-    from meshspeed.pipe import PipeModelDataParallelTopology
     from meshspeed.pipe import PipelineModule as DeepSpeedPipelineModule
+    from meshspeed.pipe import PipeModelDataParallelTopology
 
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
     net = DeepSpeedPipelineModule(_specs(), topology=topo, loss_fn=nn.MSELoss())

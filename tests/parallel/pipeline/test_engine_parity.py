@@ -50,6 +50,15 @@ def test_split_schedules_equal_one_process(schedule, virtual):
     check_parity([_setups(4, pp=2, stage=s, **common) for s in (1, 3)])
 
 
+def test_interleaved_from_the_config_alone():
+    """DeepSpeed-style `PipelineModule(layers, num_stages=2)` and `"pipeline": {"schedule":
+    "interleaved", "virtual_stages": 2}`: initialize cuts the stages again into chunks
+    (Note [the mesh binds the stage]) and trains as one process does."""
+    common = {"schedule": "interleaved", "virtual": 2, "virtual_in_config": True, "model": {"n_layer": 6}}
+    check_parity([_setups(2, pp=2, **common)])
+    check_parity([_setups(4, pp=2, stage=3, **common)])
+
+
 def test_activation_checkpointing_in_stages_changes_nothing():
     """Every block recomputed in backward (meshspeed.checkpointing) under 1F1B and ZB-H1."""
     check_parity([_setups(2, pp=2, checkpoint_interval=1), _setups(2, pp=2, checkpoint_interval=1, schedule="zb-h1")])

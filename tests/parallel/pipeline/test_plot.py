@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from meshspeed.cli import main as cli_main
-from meshspeed.tools import pipeline_plot as plot
 from meshspeed.parallel.pipeline.schedule import build, simulate
 from meshspeed.parallel.pipeline.timeline import Span, from_simulation, to_json
+from meshspeed.tools import pipeline_plot as plot
 
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None,

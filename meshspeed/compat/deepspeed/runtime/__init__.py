@@ -4,7 +4,6 @@
 import importlib
 import importlib.util
 
-
 from meshspeed.process.accelerator import Accelerator, get_accelerator
 from meshspeed.process.distributed import (
     LaunchEnv,

@@ -20,12 +20,12 @@ import os
 import sys
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from meshspeed.checkpoint.consolidate import consolidate, convert
 from meshspeed.checkpoint.metadata import read_meta
 from meshspeed.checkpoint.paths import resolve
-from safetensors.torch import save_file
 
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",

@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meshspeed.compat.deepspeed.runtime.pipe.topology import PipeDataParallelTopology, ProcessTopology
+from meshspeed.compat.deepspeed.runtime.pipe.topology import (
+    PipeDataParallelTopology,
+    ProcessTopology,
+)
 from meshspeed.parallel.activation_checkpoint import checkpoint
 from meshspeed.parallel.pipeline import module as core
 from meshspeed.parallel.pipeline.module import LayerSpec, TiedLayerSpec
