@@ -45,6 +45,7 @@ from meshspeed.parallel.zero.staging import StagingPool
 # latency dominates.
 MIN_UNIT_NUMEL = 1 << 18
 UNITS_PER_MODEL = 8
+IN_FLIGHT = 1
 
 
 def unit_numel(total_numel: int, reduce_bucket_size: int) -> int:
@@ -251,7 +252,7 @@ class Zero(Strategy, ParameterOwner, ExternalParameters):
         self._pending.append((unit, unit.launch_reduce_scatter()))
         if unit.shard_params and unit is not self._root_unit() and unit.state is not ParamState.SHARDED:
             unit.release()
-        while len(self._pending) > 1:  # keep one reduction in flight, settle the older ones
+        while len(self._pending) > IN_FLIGHT:  # keep reductions in flight, settle the older ones
             self._settle_one()
 
     def _root_unit(self):
