@@ -32,7 +32,7 @@ Note [where torch.compile pays]
 of a compiled function pays guard checks and a dispatch of its own (10-20 us on this CPU)
 and the first call of each new (op, dtype) a compilation (1 s; the first in a process
 15-40 s). Measured on the 2-core CPU of the development machine, one intra-op thread,
-shared with other jobs (`python benchmarks/kernels.py`: fastest of 15 interleaved runs
+shared with other jobs (`python benchmarks/inference_kernels.py`: fastest of 15 interleaved runs
 of 20 calls, us per call, plain / compiled; decode (8, 1, 512), prefill (8, 128, 512)):
 
     op              dtype     decode        prefill
@@ -61,7 +61,7 @@ path makes several passes with dtype conversions that inductor fuses into one; A
 layer_norm is one fused kernel already. On CUDA the compiled version is registered for
 fp32/bf16/fp16 without a measurement here (no GPU was available): fusing a norm's or
 activation's 3-6 memory-bound kernels into one is the case inductor is built for, and
-`benchmarks/kernels.py --device cuda` measures it where a GPU is.
+`benchmarks/inference_kernels.py --device cuda` measures it where a GPU is.
 
 Note [fused_qkv's packed weight]
 Three projections of the same input as one matmul read x once and launch one kernel
@@ -75,7 +75,7 @@ tensor subclasses (torchao's quantized tensors, DTensor), modules with forward
 hooks (ZeRO-Inference gathers weights in a pre-hook), and calls that autograd must record
 (the packed copy is detached) run the three modules as they are.
 On this CPU the matmul is bound by reading the weights, which packing does not change:
-measured (`benchmarks/kernels.py --ops fused_qkv --repeats 40`) plain / packed 227 / 253 us fp32 and 132 / 113 us bf16 at
+measured (`benchmarks/inference_kernels.py --ops fused_qkv --repeats 40`) plain / packed 227 / 253 us fp32 and 132 / 113 us bf16 at
 decode, 26.4 / 26.5 ms and 7.9 / 8.4 ms at prefill: no gain worth a copy of the weights, so
 on CPU it runs only when asked for (`use("packed")`). It is preferred on CUDA, where
 decode is bound by kernel launches (unmeasured here: no GPU).

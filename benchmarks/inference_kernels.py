@@ -1,6 +1,6 @@
 """Each inference kernel's implementations against its plain path, per shape and dtype.
 
-    .venv/bin/python benchmarks/kernels.py [--device cpu|cuda] [--threads 1] [--repeats 15]
+    .venv/bin/python benchmarks/inference_kernels.py [--device cpu|cuda] [--threads 1] [--repeats 15]
 
 For every op in meshspeed.inference.kernels, at a decode shape (8, 1, 512) and a prefill
 shape (8, 128, 512), in fp32 and bf16 (and fp16 on CUDA), prints microseconds per call of
