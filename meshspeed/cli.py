@@ -17,6 +17,7 @@ _COMMANDS = {
     "convert": ("meshspeed.checkpoint.cli", "consolidate a sharded checkpoint into one file"),
     "aio-bench": ("meshspeed.offload.aio_bench", "measure the NVMe swap engine's bandwidth"),
     "pipeline-plot": ("meshspeed.tools.pipeline_plot", "draw a pipeline schedule as executed (Gantt chart PNG)"),
+    "compat": ("meshspeed.compat.install", "make `import deepspeed` meshspeed in this environment (install, uninstall, status)"),
 }
 
 

@@ -83,17 +83,21 @@ class TPGather:
         return full
 
 
-def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> str:
-    """Write the module's state_dict (compute dtype; tied names included) to one file.
-
-    Collective (gathers under ZeRO-3, and the tensor-parallel pieces over the tp group: the
-    file holds logical, whole tensors); rank 0 writes. Returns the file's path."""
+def _refuse_experts(engine, what: str) -> None:
     topology = engine.topology
     if topology.size("ep") > 1:  # every rank refuses alike
-        raise CheckpointError(f"save_16bit_model with expert parallelism (ep {topology.size('ep')}): "
+        raise CheckpointError(f"{what} with expert parallelism (ep {topology.size('ep')}): "
                               "each ep rank holds other experts and this version writes rank 0's "
                               "module only; use save_checkpoint (experts saved by global id) and "
                               "consolidate it, or train with ep_size 1")
+
+
+def _whole_tensors(engine):
+    """The specs (name, dtype, shape) of every entry, and an iterator over (name, logical
+    tensor, frozen: a parameter that does not require grad): every parameter under each of its names (tied aliases too), then the
+    persistent buffers. Collective: every rank must run the iterator to its end (the
+    gathers and the tp all-gathers); the tensors are real on rank 0 only (None elsewhere
+    for split parameters) and valid until the next item."""
     module = engine.module
     named = list(module.named_parameters())
     aliases_of = defaultdict(list)
@@ -109,6 +113,27 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     for name, p in named:
         specs += [Spec(n, p.dtype, shapes[name]) for n in [name, *aliases_of[name]]]
     specs += [Spec(n, b.dtype, tuple(b.shape)) for n, b in buffers.items()]
+
+    def entries():
+        for group in _groups(named, shapes):
+            with gathered([p for _, p in group]):
+                for name, p in group:
+                    whole = tp.whole(name, p.detach())
+                    for n in [name, *aliases_of[name]]:
+                        yield n, whole, not p.requires_grad
+        for n, b in buffers.items():
+            yield n, b, False
+
+    return specs, entries()
+
+
+def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> str:
+    """Write the module's state_dict (compute dtype; tied names included) to one file.
+
+    Collective (gathers under ZeRO-3, and the tensor-parallel pieces over the tp group: the
+    file holds logical, whole tensors); rank 0 writes. Returns the file's path."""
+    _refuse_experts(engine, "save_16bit_model")
+    specs, entries = _whole_tensors(engine)
     path = os.path.join(os.fspath(save_dir), save_filename)
     writer, error = None, None
     if comm.get_rank() == 0:
@@ -116,21 +141,15 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
             writer = _open(path, specs)
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             error = err
-    for group in _groups(named, shapes):  # every rank joins every gather, even after a write error
-        with gathered([p for _, p in group]):
-            whole = [(name, tp.whole(name, p.detach())) for name, p in group]
-            if writer is None or error is not None:
-                continue
-            try:
-                for name, t in whole:
-                    for n in [name, *aliases_of[name]]:
-                        writer.write(n, t)
-            except Exception as err:  # noqa: BLE001
-                error = err
+    for name, tensor, _ in entries:  # every rank joins every gather, even after a write error
+        if writer is None or error is not None:
+            continue
+        try:
+            writer.write(name, tensor)
+        except Exception as err:  # noqa: BLE001
+            error = err
     if writer is not None and error is None:
         try:
-            for n, b in buffers.items():
-                writer.write(n, b)
             writer.close()
         except Exception as err:  # noqa: BLE001
             error = err
@@ -138,3 +157,22 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
         writer.abort()
     agree(error)
     return path
+
+
+def consolidated_state_dict(engine, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+    """The module's whole state_dict (compute dtype, logical tensors, tied names included)
+    on rank 0, as CPU copies; None on the other ranks. Collective, like save_16bit_model,
+    and, like it, never holding more than one gather group beyond the result."""
+    _refuse_experts(engine, "the consolidated state dict")
+    _, entries = _whole_tensors(engine)
+    out: dict[str, torch.Tensor] = {}
+    rank0 = comm.get_rank() == 0
+    last, copy = None, None
+    for name, tensor, frozen in entries:  # every rank joins every gather
+        if rank0 and not (exclude_frozen_parameters and frozen):
+            # A tied parameter's names come one after another with the same tensor: they
+            # share one copy, as in the module, so save_pretrained sees them as tied.
+            if tensor is not last:
+                last, copy = tensor, tensor.detach().to("cpu", copy=True)
+            out[name] = copy
+    return out if rank0 else None

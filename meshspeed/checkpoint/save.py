@@ -126,8 +126,10 @@ def _streams_anywhere(snap: RankSnapshot) -> bool:
     return streams
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_latest: bool = True):
-    """Save the full training state under `<save_dir>/<tag>/` (tag: `global_step<N>`).
+def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_latest: bool = True,
+                    exclude_frozen: bool = False):
+    """Save the full training state under `<save_dir>/<tag>/` (tag: `global_step<N>`);
+    `exclude_frozen`: leave out parameters that do not require grad.
 
     Collective. Returns True, as DeepSpeed does. With `checkpoint.async_save` the files are
     written in the background; the next save, load, or exit waits for them."""
@@ -145,7 +147,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_l
     tmp = _start(engine, save_dir, tag)
     async_save = engine.config.checkpoint.async_save
     try:
-        snap = everywhere(capture, engine, tag, client_state, copy=async_save)
+        snap = everywhere(capture, engine, tag, client_state, copy=async_save, exclude_frozen=exclude_frozen)
     except CheckpointError:
         if comm.get_rank() == 0:
             discard(tmp)

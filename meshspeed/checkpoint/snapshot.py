@@ -195,7 +195,7 @@ def _first_of_stage(engine) -> bool:
     return all(topo.coord(a) == 0 for a in ("dp", "cp", "tp"))
 
 
-def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
+def capture(engine, tag: str, client_state: Any, *, copy: bool, exclude_frozen: bool = False) -> RankSnapshot:
     """This rank's part of the checkpoint (rank 0 also builds the global metadata).
 
     `copy`: copy every tensor to host memory, unless some of the state is in swap files
@@ -208,6 +208,9 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool) -> RankSnapshot:
     ranges: dict[str, Any] = {}
     state = engine.optimizer.state
     skip = engine.checkpoint_skips()
+    if exclude_frozen:  # masters of parameters that do not require grad
+        skip |= {id(engine.strategy.master_of[id(p)]) for p in engine.module.parameters()
+                 if not p.requires_grad and id(p) in engine.strategy.master_of}
     params: dict[str, Any] = {}  # Note [a checkpoint of pipeline stages]
     for s in slices:
         # replicas over dp: the strategy's writer; replicas over tp: tp rank 0; a tied

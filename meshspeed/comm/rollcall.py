@@ -58,14 +58,13 @@ def _key(kind: str, rank: int) -> str:
 
 
 def introduce() -> None:
-    """Post this rank's host and pid (once per process group; cheap, at start)."""
-    store = _store()
-    if store is None:
-        return
+    """Post this rank's host and pid (once per process group; cheap, at start). The store's
+    own timeout is left as it was: the group's owner (maybe the caller) still uses it."""
     try:
+        store = distributed_c10d._get_default_store()
         store.set(_key("who", dist.get_rank()),
                   json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-    except Exception:  # noqa: BLE001, S110 - best effort
+    except Exception:  # noqa: BLE001, S110 - best effort (no default group, or no store)
         pass
 
 

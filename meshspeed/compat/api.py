@@ -59,6 +59,7 @@ def initialize(
         lr_scheduler=lr_scheduler, mpu=mpu, mesh_param=mesh_param, collate_fn=collate_fn,
         dataloader_seed=dataloader_seed, engine_types=(DeepSpeedEngine, PipelineEngine))
     groups.set_layout(engine.mesh)  # deepspeed.utils.groups' accessors answer from it
+    opt.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped (runtime/engine.py)
     return engine, opt, loader, scheduler
 
 

@@ -6,6 +6,7 @@ world size is only known at launch, so the missing ones are derived by `resolve_
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from meshspeed.config.base import PositiveInt, StrictModel
@@ -76,11 +77,18 @@ def _inconsistent(tbs: int, mbs: int, gas: int, dp: int, dp_source: str) -> str:
         fixes.append(f"gradient_accumulation_steps to {tbs // (mbs * dp)}")
     if tbs % (gas * dp) == 0:
         fixes.append(f"train_micro_batch_size_per_gpu to {tbs // (gas * dp)}")
+    hint = ""
+    if tbs == mbs * gas and dp > 1 and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # accelerate filled in train_batch_size for one process: on a machine with no GPU it
+        # finds no device backend and does not count the ranks (DeepSpeed fails the same way)
+        hint = (" accelerate counted one process: with no GPU, name the gloo backend "
+                '(Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]), or '
+                'PartialState(backend="gloo") before TrainingArguments).')
     return (
         f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {mbs} * "
         f"gradient_accumulation_steps {gas} * data-parallel world size {dp} "
         f"(= {product}; {_source(dp_source)}). Set {', or '.join(fixes)}, "
-        "or give only two of the three and meshspeed derives the third."
+        f"or give only two of the three and meshspeed derives the third.{hint}"
     )
 
 

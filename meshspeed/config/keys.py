@@ -2,8 +2,17 @@
 
 Pydantic alone would say "Extra inputs are not permitted" for a typo. This walk instead
 names the full dotted path and the closest valid key, renames old spellings
-(`StrictModel.key_aliases`), rejects "auto", and sets aside the DeepSpeed keys meshspeed
-accepts but does not use yet (`known_keys.ACCEPTED_UNUSED`).
+(`StrictModel.key_aliases`), handles "auto" (Note ["auto" values]), and sets aside the
+DeepSpeed keys meshspeed accepts but does not use yet (`known_keys.ACCEPTED_UNUSED`).
+
+Note ["auto" values]
+Hugging Face's Trainer and accelerate write "auto" for values they fill in before
+`deepspeed.initialize` (batch sizes, bucket sizes, optimizer and scheduler params). What
+they leave unfilled, DeepSpeed's typed sections read as "use the default"
+(DeepSpeedConfigModel drops "auto" entries), and so does meshspeed: a key whose value is
+"auto" is dropped, and the batch triad treats it as not given (derived from the others).
+The exception is the free-form `optimizer.params` / `scheduler.params`, which DeepSpeed
+hands to the optimizer as they are: there an "auto" is an error naming the key.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ class CheckedKeys:
     data: dict[str, Any]  # the input with aliases renamed and accepted-unused keys removed
     unused: dict[str, Any] = field(default_factory=dict)  # accepted-unused dotted path -> value
     problems: list[str] = field(default_factory=list)  # one line per bad key
+    autos: list[str] = field(default_factory=list)  # keys left "auto", dropped (Note ["auto" values])
 
 
 def check_keys(raw: dict[str, Any], model: type[StrictModel]) -> CheckedKeys:
@@ -84,8 +94,8 @@ def _walk(
                              else v for k, v in value.items()}
             elif sub is not None and isinstance(value, dict):
                 out[name] = _walk(value, sub, here, root, result)
-            elif not _found_auto(value, full, result.problems):
-                out[name] = value  # left out if "auto": that is reported once, here
+            elif not _found_auto(value, full, result):
+                out[name] = value  # left out if "auto" (Note ["auto" values])
         elif key in model.legacy_keys:
             out[key] = value  # consumed by the model's own before-validator
         elif key in unused_here:
@@ -96,25 +106,32 @@ def _walk(
 
 
 AUTO_MEANINGFUL = frozenset({"pipeline.stages"})  # DeepSpeed's own "auto": the model decides
+AUTO_REFUSED = ("optimizer.params.", "scheduler.params.")  # handed on as written, as in DeepSpeed
 
 
-def _found_auto(value: Any, path: str, problems: list[str]) -> bool:
-    """Report every "auto" in `value` (HF Trainer-style configs); True if there was one."""
+def _found_auto(value: Any, path: str, result: CheckedKeys) -> bool:
+    """Note ["auto" values] for `value` at `path`: True when it is "auto" (dropped, or an
+    error in the free-form params)."""
     if path in AUTO_MEANINGFUL:
         return False
     if isinstance(value, str) and value == "auto":
-        problems.append(f'{path}: "auto" is not supported; meshspeed needs an explicit value')
+        if path.startswith(AUTO_REFUSED):
+            result.problems.append(f'{path}: "auto" was not filled in; DeepSpeed hands optimizer and '
+                                   "scheduler params to the optimizer as written, so give a number")
+        else:
+            result.autos.append(path)
         return True
+    # a free-form dict or list (optimizer params): an "auto" inside is reported, the value kept
     if isinstance(value, dict):
         items = [(f"{path}.{k}", v) for k, v in value.items()]
     elif isinstance(value, list):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
     else:
-        return False
-    found = False
+        items = []
     for p, v in items:
-        found = _found_auto(v, p, problems) or found  # keep going: report every "auto"
-    return found
+        if isinstance(v, (dict, list)) or (isinstance(v, str) and v == "auto" and p.startswith(AUTO_REFUSED)):
+            _found_auto(v, p, result)
+    return False
 
 
 def _unknown(

@@ -65,6 +65,8 @@ def load_config(
         if unbuilt.monitors:
             logger.warning("config asks for monitors meshspeed does not have; they are off: %s",
                            "; ".join(unbuilt.monitors))
+        if checked.autos:  # Note ["auto" values] in keys.py
+            logger.info('config values left "auto" take their defaults: %s', ", ".join(checked.autos))
         if unbuilt.notes:
             logger.info("config keys accepted but not used by meshspeed yet: %s",
                         ", ".join(unbuilt.notes))

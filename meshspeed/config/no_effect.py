@@ -31,8 +31,6 @@ NO_EFFECT: dict[str, str] = {
     "reduction lands, on every rank",
     "zero_optimization.stage3_max_reuse_distance": "stage 3 releases a unit after each use and "
     "prefetches by the recorded order; max_live_parameters bounds what stays gathered",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "save_16bit_model always "
-    "gathers whole weights",
     "zero_optimization.offload_param.max_in_cpu": "offload_param keeps every stage-3 shard in its "
     "tier; there is no partial residency",
     "checkpoint.load_universal": "every meshspeed checkpoint loads at any data-parallel size and "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from meshspeed.config.activation import ActivationCheckpointingConfig
 from meshspeed.config.autotuning import AutotuningConfig
@@ -53,7 +55,7 @@ class MeshspeedConfig(StrictModel):
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    steps_per_print: PositiveInt = 10
+    steps_per_print: PositiveInt = 10  # infinity (accelerate's way of silencing it): never
     comms_timeout: PositiveFloat = 300.0  # seconds a collective may wait: then CommTimeoutError
     # skip (on every rank) and report a step whose gradients hold NaN/inf, as fp16 does;
     # one scalar all-reduce per step when gradients are sharded
@@ -95,6 +97,11 @@ class MeshspeedConfig(StrictModel):
     # the accepted-but-unused DeepSpeed keys that were set aside.
     _batch_given: frozenset[str] | None = PrivateAttr(default=None)
     _ignored_keys: tuple[str, ...] = PrivateAttr(default=())
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never(cls, value: Any) -> Any:
+        return sys.maxsize if isinstance(value, float) and value == math.inf else value
 
     @model_validator(mode="after")
     def _one_half_precision(self):
@@ -148,6 +155,21 @@ class MeshspeedConfig(StrictModel):
         if self._batch_given is not None:
             return self._batch_given
         return frozenset(self.model_fields_set & set(BATCH_KEYS))
+
+    # DeepSpeed's `engine.config` is the config dict, and libraries read it as one
+    # (transformers' Trainer: `engine.config.get("zero_optimization", {}).get("stage")`); these
+    # answer with the values of `to_dict()`, DeepSpeed's key names and JSON values
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_dict()
+
+    def keys(self):
+        return self.to_dict().keys()
 
     def to_dict(self) -> dict[str, Any]:
         """A plain JSON-able dict of every typed field (for saving in checkpoints).

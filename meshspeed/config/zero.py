@@ -51,7 +51,9 @@ class ZeroConfig(StrictModel):
     stage3_param_persistence_threshold: NonNegInt = 0
     stage3_max_live_parameters: NonNegInt = 1_000_000_000  # gathered elements kept resident
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000  # keep if reused within this many
-    stage3_gather_16bit_weights_on_model_save: bool = False  # consolidate on save_16bit_model
+    # read by engine.zero_gather_16bit_weights_on_model_save(): Hugging Face and accelerate
+    # consolidate the weights on save_model when true and write a full checkpoint when false
+    stage3_gather_16bit_weights_on_model_save: bool = False
     # ZeRO++ qwZ (arXiv:2306.10209): stage-3 parameter all-gathers carry block-quantized
     # INT8 weights and fp32 scales instead of the 16/32-bit shards (parallel/zero/qwz.py)
     zero_quantized_weights: bool = False

@@ -54,7 +54,7 @@ from meshspeed.parallel.data.onebit import apply_onebit
 from meshspeed.parallel.pipeline.axis import apply_pp
 from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.parallel.sharding import apply_dp
-from meshspeed.parallel.zero.init_shards import cast_partitioned, is_partitioned
+from meshspeed.parallel.zero.init_shards import cast_partitioned, check_initialised, is_partitioned
 from meshspeed.process.accelerator import get_accelerator
 from meshspeed.process.distributed import get_local_rank, get_local_world_size, init_distributed
 from meshspeed.process.malloc import tune_host_allocator
@@ -74,8 +74,7 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
     dict, a MeshspeedConfig or None). `engine_types`: the (plain, pipelined) engine classes
     to build, e.g. the DeepSpeed layer's, which add DeepSpeed's getters."""
     probe = start_probe(model)  # `meshspeed autotune`'s probe run: the model's facts, then exit
-    if not comm.is_initialized():
-        init_distributed()
+    init_distributed()  # or adopt the caller's group: Note [a process group the caller made]
     device = get_accelerator().device(get_local_rank())
     if device.type == "cpu":
         tune_host_allocator()  # Note [a fixed mmap threshold for CPU training]
@@ -93,6 +92,7 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     _check_trainable(model)
+    check_initialised(model)  # Note [initialised after the build]
     client_groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else None
     selection = ParamSelection.capture(client_groups or model_parameters, model)
 

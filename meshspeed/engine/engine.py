@@ -153,6 +153,11 @@ class MeshspeedEngine(nn.Module):
             self._begin_micro_step(False)
         elif not self._micro_started:  # forward ran outside the engine (engine.module(...))
             self._begin_micro_step(self._reduces_now())
+        elif self._micro_reduces != self._reduces_now():
+            # the boundary was set between forward and backward (accelerate calls
+            # set_gradient_accumulation_boundary right before backward): the backward decides
+            self._micro_reduces = self._reduces_now()
+            self._begin_micro_step(self._micro_reduces)
         scaled = loss
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
             scaled = scaled / self.config.gradient_accumulation_steps

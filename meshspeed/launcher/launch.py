@@ -37,7 +37,7 @@ from torch.distributed.run import main as torchrun_main
 
 from meshspeed.autotune.trial import TuneError, substitute
 from meshspeed.autotune.tuner import autotune
-from meshspeed.compat.alias import write_shim
+from meshspeed.compat.install import write_shim
 from meshspeed.config import ConfigError
 from meshspeed.launcher import ds_launcher
 from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError

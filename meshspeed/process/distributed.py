@@ -167,7 +167,10 @@ def init_distributed(
     environment, not from mpi4py).
     """
     del auto_mpi_discovery, config
-    if dist_init_required is False or dist.is_initialized():
+    if dist.is_initialized():
+        adopt_process_group()  # Note [a process group the caller made]
+        return
+    if dist_init_required is False:
         return
     if backend and dist_backend and backend != dist_backend:
         raise ValueError(f"backend {backend!r} and dist_backend {dist_backend!r} disagree")
@@ -198,11 +201,37 @@ def init_distributed(
                                 world_size=env.world_size)
     global _launch_env
     _launch_env = env
-    rollcall.introduce()
-    install_stop_report()  # Note [naming the dead rank when torchrun stops the job]
-    atexit.register(_shutdown)
+    adopt_process_group()
     if verbose and env.rank == 0:
         logger.info("meshspeed: %s process group, %s", backend, env.describe())
+
+
+# Note [a process group the caller made]
+# accelerate, torchrun scripts and `deepspeed.init_distributed` often create the default
+# process group themselves (`dist.init_process_group`). Such a group gets what meshspeed gives
+# its own: this rank's host and process posted to the store for the roll call (so a hang
+# report names the missing rank, and a dead one as dead), the report of the place a rank
+# was stopped by the launcher, and the clean teardown at exit. `adopt_process_group` does
+# it once per default group, whoever made it: `init_distributed` calls it after making one,
+# or when it finds one, and `meshspeed.initialize` when the group exists already. The comms
+# timeout is the config's (`comms_timeout`), set by `initialize` for every group alike.
+_adopted: list[int] = []  # id of the default group adopted
+
+
+def adopt_process_group() -> None:
+    """Note [a process group the caller made]; idempotent."""
+    world = dist.group.WORLD
+    if _adopted == [id(world)]:
+        return
+    _adopted[:] = [id(world)]
+    rollcall.introduce()
+    install_stop_report()  # Note [naming the dead rank when torchrun stops the job]
+    if _shutdown not in _registered:
+        atexit.register(_shutdown)
+        _registered.append(_shutdown)
+
+
+_registered: list = []
 
 
 def _resolve(env: LaunchEnv, rank: int, world_size: int, distributed_port: int | None) -> LaunchEnv:

@@ -17,6 +17,7 @@ import meshspeed
 from meshspeed import comm
 from meshspeed.models.gpt import GPT, GPTConfig
 from meshspeed.models.gpt_pipe import GPTPipe
+from meshspeed.testing import param_forms
 from meshspeed.parallel.gather import gathered
 from meshspeed.testing import run_distributed
 from meshspeed.topology.shards import TPShard, shards_by_param
@@ -50,6 +51,8 @@ class ParitySetup:
     cp: int = 1  # context-parallel degree (each sequence split over cp ranks)
     cp_mode: str = "ring_balanced"  # context_parallel.mode; "sp": DeepSpeed's sequence_parallel_size
     ulysses: int | None = None  # context_parallel.ulysses_size, for "hybrid"
+    params_form: str = "parameters"  # how initialize gets model_parameters (testing/param_forms.py)
+    zero_init: bool = False  # the engine's model is built under meshspeed.zero.Init (stage 3)
 
     @property
     def dp(self) -> int:
@@ -164,7 +167,8 @@ def reference_run(setup: ParitySetup, optimizer_cls: type | None = None) -> tupl
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer_cls is None:
         block = setup.optimizer_block()
-        opt = (torch.optim.SGD if block["type"] == "SGD" else torch.optim.AdamW)(params, **block["params"])
+        groups = param_forms.reference_groups(model, setup.params_form, block["params"].get("weight_decay", 0.0))
+        opt = (torch.optim.SGD if block["type"] == "SGD" else torch.optim.AdamW)(groups, **block["params"])
     else:
         opt = optimizer_cls(params, **setup.ds_config()["optimizer"]["params"])
     losses = []
@@ -182,8 +186,14 @@ def reference_run(setup: ParitySetup, optimizer_cls: type | None = None) -> tupl
 
 def engine_run(setup: ParitySetup) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Runs on every rank of an initialised world of `setup.world` ranks."""
-    model = build_model(setup, stages=setup.pp)
-    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
+    if setup.zero_init:
+        with meshspeed.zero.Init():
+            model = build_model(setup, stages=setup.pp)
+    else:
+        model = build_model(setup, stages=setup.pp)
+    decay = setup.optimizer_block()["params"].get("weight_decay", 0.0)
+    engine, *_ = meshspeed.initialize(model=model,
+                                      model_parameters=param_forms.model_parameters(model, setup.params_form, decay),
                                       config=copy.deepcopy(setup.ds_config()))
     if setup.pp > 1:
         return train_batches(engine, setup), pipeline_state_dict(engine)

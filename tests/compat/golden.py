@@ -2,7 +2,7 @@
 that compare meshspeed with DeepSpeed run in CI without DeepSpeed installed.
 
     python tests/compat/golden.py            # re-record every run with the anchor venv
-    python tests/compat/golden.py cifar_moe  # one script's runs
+    python tests/compat/golden.py cifar_moe  # one script's runs (cifar_moe, ulysses, hf)
 
 Each file under tests/compat/golden/ holds the command that ran (DeepSpeed 0.19.8 in the
 venv of ../shared/tools/anchor-venv.sh, torchrun, DS_ACCELERATOR=cpu, two ranks), the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden"
-KEEP = re.compile(r"^(LOSS |PARAMS |Accuracy of the network|Finished Training|\[rank\d\]: LOSS )")
+KEEP = re.compile(r"^(LOSS |PARAMS |GRAD_NORM |WEIGHT |FROM_PRETRAINED |STATE_DICT |SAVED$|Accuracy of the network|Finished Training|\[rank\d\]: LOSS )")
 
 
 def path_of(name: str) -> Path:
@@ -55,17 +55,21 @@ def main(argv: list[str]) -> int:
     import tempfile
 
     sys.path.insert(0, str(HERE.parents[1]))
+    from tests.compat import hf_runs
     from tests.compat import test_cifar_moe_script as cifar
     from tests.compat import test_ulysses_script as ulysses
 
     python = str(Path(os.environ.get("ANCHOR_VENV", Path.home() / ".cache/meshspeed-anchors")) / "bin/python")
-    which = set(argv) or {"cifar_moe", "ulysses"}
+    which = set(argv) or {"cifar_moe", "ulysses", "hf"}
     with tempfile.TemporaryDirectory() as tmp:
         if "cifar_moe" in which:
             for name in cifar.RUNS:
                 record(f"cifar_moe {name}", cifar._command(name), Path(tmp), python)
         if "ulysses" in which:
             record("ulysses", ulysses._command(Path(tmp)), Path(tmp), python)
+        if "hf" in which:  # in order, in one folder: a resumed run reads its full run's checkpoint
+            for name, run_argv in hf_runs.RUNS:
+                record(name, run_argv, Path(tmp), python)
     return 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshspeed.compat import child
-from meshspeed.compat.alias import write_shim
+from meshspeed.compat.install import write_shim
 from meshspeed.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[2]

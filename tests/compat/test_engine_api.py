@@ -40,31 +40,38 @@ def _params(engine):
         return [p.detach().clone() for p in engine.module.parameters()]
 
 
-def _manual_boundary(stage, manual):
-    """Three optimizer steps of two micro-batches each: the counter's way, or DeepSpeed's
-    manual way (set_gradient_accumulation_boundary, one step() per accumulation)."""
+def _manual_boundary(stage, mode):
+    """Three optimizer steps of two micro-batches each: the counter's way ("counted"), or
+    DeepSpeed's manual way (set_gradient_accumulation_boundary, one step() per accumulation),
+    the boundary set before each forward ("before forward") or, as accelerate does, between
+    the forward and the backward ("before backward")."""
     from meshspeed import comm
 
     engine = small_engine(stage, gradient_accumulation_steps=2)
     g = torch.Generator().manual_seed(comm.get_rank())
     for _ in range(3):
         batches = [torch.randint(0, 16, (1, 4), generator=g) for _ in range(2)]
-        if manual:
-            engine.set_gradient_accumulation_boundary(False)
-            engine.backward(engine(batches[0], batches[0]))
-            engine.set_gradient_accumulation_boundary(True)
-            engine.backward(engine(batches[1], batches[1]))
-            engine.step()
-        else:
+        if mode == "counted":
             for b in batches:
                 train_step(engine, b)
+            continue
+        for i, b in enumerate(batches):
+            last = i == len(batches) - 1
+            if mode == "before forward":
+                engine.set_gradient_accumulation_boundary(last)
+            loss = engine(b, b)
+            if mode == "before backward":
+                engine.set_gradient_accumulation_boundary(last)
+            engine.backward(loss)
+        engine.step()
     return engine.global_steps, _params(engine)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_manual_accumulation_boundary_equals_the_counted_one(stage):
-    counted = run_distributed(_manual_boundary, world_size=2, args=(stage, False))
-    manual = run_distributed(_manual_boundary, world_size=2, args=(stage, True))
+@pytest.mark.parametrize("mode", ["before forward", "before backward"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_manual_accumulation_boundary_equals_the_counted_one(stage, mode):
+    counted = run_distributed(_manual_boundary, world_size=2, args=(stage, "counted"))
+    manual = run_distributed(_manual_boundary, world_size=2, args=(stage, mode))
     for (steps_a, a), (steps_b, b) in zip(counted, manual):
         assert steps_a == steps_b == 3
         for x, y in zip(a, b):

@@ -145,13 +145,22 @@ class _Forgotten(nn.Module):
         self.register_buffer("scratch", torch.empty(3))  # a buffer nothing writes: zeros
 
 
-def _forgotten(half):
+def _forgotten(half, written_later):
+    with meshspeed.zero.Init():
+        model = _Forgotten(half)
+    if written_later:  # Hugging Face's way: init functions off while built, then rank 0 writes
+        with meshspeed.zero.GatheredParameters([model.weight], modifier_rank=0):
+            if comm.get_rank() == 0:
+                with torch.no_grad():
+                    model.weight.copy_(torch.arange(16.0).view(4, 4))
     try:
-        with meshspeed.zero.Init():
-            model = _Forgotten(half)  # noqa: F841 (a model dropped inside the context is not built)
+        engine, *_ = meshspeed.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     except RuntimeError as err:
         return str(err)
-    return "no error"
+    with meshspeed.zero.GatheredParameters([model.weight]):
+        return model.weight.detach().clone()
 
 
 def _unwritten_buffer():
@@ -168,8 +177,15 @@ def _unwritten_buffer():
 
 @pytest.mark.parametrize("half", [False, True])
 def test_uninitialised_parameter_fails_loudly_by_name(half):
-    (message,) = run_distributed(_forgotten, world_size=1, args=(half,))
+    (message,) = run_distributed(_forgotten, world_size=1, args=(half, False))
+    assert isinstance(message, str), "initialize accepted a parameter nothing ever wrote"
     assert "'weight'" in message and "never completely initialised" in message, message
+
+
+def test_parameter_written_after_the_build_by_rank_0_trains():
+    """Note [initialised after the build]: rank 0's values, on every rank."""
+    for weight in run_distributed(_forgotten, world_size=2, args=(True, True)):
+        assert torch.equal(weight, torch.arange(16.0).view(4, 4))
 
 
 def test_unwritten_buffer_is_zeros_not_garbage():

@@ -94,3 +94,17 @@ def test_reloading_a_config_rederives_only_what_user_left_out():
     fixed = load_config({TBS: 8, MBS: 4, GAS: 2})
     with pytest.raises(ConfigError, match=r"!= .* world size 4"):
         load_config(fixed, dp_world_size=4, dp_source=SOURCE)
+
+
+def test_accelerate_counting_one_process_gets_the_gloo_hint(monkeypatch):
+    """accelerate with no GPU finds no device backend and fills train_batch_size for one
+    process (micro x accumulation); the error says what to pass."""
+    given = {TBS: 4, MBS: 2, GAS: 2}
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    with pytest.raises(ConfigError) as plain:
+        load_config(given, dp_world_size=2, dp_source=SOURCE)
+    assert "gloo" not in str(plain.value)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError) as info:
+        load_config(given, dp_world_size=2, dp_source=SOURCE)
+    assert 'InitProcessGroupKwargs(backend="gloo")' in str(info.value)

@@ -118,14 +118,21 @@ def test_accepted_unused_list_does_not_shadow_typed_fields():
     assert not ACCEPTED_UNUSED & set(_typed_paths(MeshspeedConfig))
 
 
-def test_auto_values_rejected_with_clear_message():
+def test_auto_means_the_default_except_in_the_free_form_params():
+    """Note ["auto" values]: what Hugging Face left "auto" takes the default, as in
+    DeepSpeed's typed sections; optimizer / scheduler params are handed on as written."""
     msg = error_of(
         {"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
     )
     assert msg.splitlines() == [
-        'train_batch_size: "auto" is not supported; meshspeed needs an explicit value',
-        'optimizer.params.lr: "auto" is not supported; meshspeed needs an explicit value',
-    ]
+        'optimizer.params.lr: "auto" was not filled in; DeepSpeed hands optimizer and scheduler '
+        "params to the optimizer as written, so give a number"]
+    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+                       "gradient_clipping": "auto",
+                       "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                             "stage3_prefetch_bucket_size": "auto"}}, dp_world_size=2)
+    assert (cfg.train_batch_size, cfg.gradient_clipping) == (8, 0.0)
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
 
 
 def test_aliases_rename_and_conflicts_are_errors():

@@ -25,7 +25,7 @@ from torch import nn
 
 from meshspeed.config import ConfigError
 from meshspeed.moe.layer import MoE
-from meshspeed.testing import run_distributed
+from meshspeed.testing import param_forms, run_distributed
 
 torch.set_num_threads(1)
 
@@ -77,10 +77,13 @@ class Setup:
     steps: int = 3
     lr: float = 0.1
     gas: int = 1
+    params_form: str = "parameters"  # how initialize gets model_parameters (testing/param_forms.py)
+    weight_decay: float = 0.0
 
     def config(self) -> dict:
         return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": self.gas,
-                "optimizer": {"type": "SGD", "params": {"lr": self.lr, "momentum": 0.9}},
+                "optimizer": {"type": "SGD", "params": {"lr": self.lr, "momentum": 0.9,
+                                                        "weight_decay": self.weight_decay}},
                 "gradient_clipping": self.clip, "steps_per_print": 10_000,
                 "zero_optimization": {"stage": self.stage, "stage3_param_persistence_threshold": 0}}
 
@@ -124,7 +127,8 @@ def _batches(setup: Setup) -> torch.Tensor:
 def reference(setup: Setup):
     torch.manual_seed(0)
     model = TinyMoE(1, setup.k)
-    opt = torch.optim.SGD(model.parameters(), lr=setup.lr, momentum=0.9)
+    groups = param_forms.reference_groups(model, setup.params_form, setup.weight_decay)
+    opt = torch.optim.SGD(groups, lr=setup.lr, momentum=0.9, weight_decay=setup.weight_decay)
     losses, first_grads, norms = [], None, []
     for batch in _batches(setup):
         # one chunk per data-parallel rank and micro-step, routed on its own
@@ -165,8 +169,8 @@ def _engine(setup: Setup):
 
     ep_rank = comm.get_rank() % setup.ep  # the mesh's ep coordinate (dp fastest, ep innermost)
     model = _local_model(setup, ep_rank) if setup.ep > 1 else TinyMoE(1, setup.k)
-    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=copy.deepcopy(setup.config()))
+    params = param_forms.model_parameters(model, setup.params_form, setup.weight_decay)
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=params, config=copy.deepcopy(setup.config()))
     assert engine.mesh.coord("ep") == ep_rank
     return engine
 
@@ -228,6 +232,14 @@ def test_ep2_on_two_ranks_matches_one_process(stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_ep2_x_edp2_on_four_ranks_matches_one_process(stage):
     _check([Setup(world=4, ep=2, k=1, stage=stage), Setup(world=4, ep=2, k=2, stage=stage, clip=0.05)])
+
+
+def test_every_form_of_model_parameters_trains_like_one_process():
+    """Generator, filtered list, filter(...) and weight-decay groups (tests/engine/
+    test_model_parameters.py): the expert layers are rebuilt per ep rank, the groups follow
+    them by name."""
+    _check([Setup(world=2, ep=2, stage=stage, params_form=form, weight_decay=0.05)
+            for form in ("generator", "list", "filter", "groups") for stage in (0, 2)])
 
 
 def test_ep4_with_gradient_accumulation_matches_one_process():

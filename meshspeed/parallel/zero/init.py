@@ -22,8 +22,10 @@ generator states the ordinary build would have had, so:
   ranks were seeded differently; `seed=` seeds the generator on entry;
 - peak memory is this rank's slices plus one tensor being replayed (and what it is
   computed from);
-- nothing uninitialised is exposed: a parameter that construction never (completely)
-  writes raises, naming it; unwritten parts of a buffer are zeros.
+- nothing uninitialised is exposed: the unwritten parts of a parameter or buffer are
+  zeros, and a parameter that construction never (completely) writes must be written in a
+  `GatheredParameters(..., modifier_rank=r)` block before `meshspeed.initialize`, which
+  raises naming it otherwise (Note [initialised after the build] in init_shards.py).
 
 No torch class or function is patched: the recorder is a dispatch mode, the models
 created are found through torch's module registration hooks, and parameters keep their
@@ -156,16 +158,15 @@ class Init:
             if _is_meta(p) and not recorder.is_recorded(p):
                 raise UninitialisedError(f"zero.Init: parameter {name!r} of {type(root).__name__} is a meta "
                                          "tensor created outside the context; it has no values to partition")
+            pending = None
             try:
                 full = recorder.value_of(p, transient=True) if _is_meta(p) else p.detach()
-            except UninitialisedError as err:
-                raise UninitialisedError(
-                    f"zero.Init: parameter {name!r} of {type(root).__name__} is never completely "
-                    f"initialised while the model is built ({err}); initialise it in the module's "
-                    "constructor, reset_parameters() or the model's own init function") from None
+            except UninitialisedError as err:  # Note [initialised after the build] in init_shards.py
+                pending = f"not written while the model is built under zero.Init ({err})"
+                full = recorder.value_of(p, transient=True, unwritten_as_zeros=True)
             if _is_meta(p):
                 p = _make_real(root, p, full.dtype)
-            shards.adopt(p, full, self.dtype or full.dtype)
+            shards.adopt(p, full, self.dtype or full.dtype, pending=pending)
         replaced: dict[int, torch.Tensor] = {}
         for module in root.modules():
             for bname, b in list(module._buffers.items()):

@@ -22,6 +22,7 @@ from meshspeed.parallel.protocol import ParameterOwner
 from meshspeed.parallel.zero import ds_params
 from meshspeed.parallel.zero.ds_params import PartitionView, ZeroParamStatus
 from meshspeed.parallel.zero.layout import ParamLayout
+from meshspeed.parallel.zero.replay import UninitialisedError
 
 
 @dataclass
@@ -33,6 +34,7 @@ class _Slice:
     dtype: torch.dtype | None = None
     numel: int = 0
     offset: int = -1  # where the chunk is in the owner's ChunkFile (init_spill.py)
+    pending: str | None = None  # never written while built: Note [initialised after the build]
 
     def layout(self, world: int) -> ParamLayout:
         return ParamLayout("", tuple(self.shape), world, 0)
@@ -63,14 +65,15 @@ class InitShards(ParameterOwner):
         self.group = group
         self.spill = spill  # a ChunkFile (init_spill.py) for remote_device="nvme", else None
 
-    def adopt(self, param: nn.Parameter, full: torch.Tensor, dtype: torch.dtype) -> None:
-        """Keep this rank's chunk of `full` (param's values) and empty the parameter."""
+    def adopt(self, param: nn.Parameter, full: torch.Tensor, dtype: torch.dtype, pending: str | None = None) -> None:
+        """Keep this rank's chunk of `full` (param's values) and empty the parameter;
+        `pending`: why its values are not yet real (Note [initialised after the build])."""
         world, rank = comm.get_world_size(self.group), comm.get_rank(self.group)
         layout = ParamLayout("", tuple(full.shape), world, 0)
         chunk = torch.zeros(layout.chunk, dtype=dtype)
         n = layout.valid(rank)
         chunk[:n].copy_(full.reshape(-1)[rank * layout.chunk : rank * layout.chunk + n])
-        s = _SLICES[param] = _Slice(self, full.shape, None)
+        s = _SLICES[param] = _Slice(self, full.shape, None, pending=pending)
         s.set_values(chunk)
         param.data = _placeholder(dtype)
         registry.register([param], self)
@@ -100,6 +103,7 @@ class InitShards(ParameterOwner):
             chunk[:n].copy_(p.detach().reshape(-1)[rank * layout.chunk : rank * layout.chunk + n])
             if s.chunk is None:
                 s.set_values(chunk)  # spilled: the changed chunk goes back to the file
+            s.pending = None  # written whole by the modifier rank
 
     def release_for_user(self, gathered: list[nn.Parameter]) -> None:
         for p in gathered:
@@ -118,6 +122,30 @@ class InitShards(ParameterOwner):
 
 def is_partitioned(param: nn.Parameter) -> bool:
     return param in _SLICES
+
+
+# Note [initialised after the build]
+# Hugging Face builds a model under zero.Init with its init functions switched off
+# (`no_init_weights`), then initialises each module's parameters inside
+# `GatheredParameters(params, modifier_rank=0)` on rank 0 (transformers'
+# `initialize_weights_zero3`), and from_pretrained loads weights the same way. A parameter
+# that construction never (completely) wrote is therefore kept with zeros where it was not
+# written and marked pending, and the mark goes when a GatheredParameters block with a
+# modifier rank publishes its values. A parameter still pending when `meshspeed.initialize`
+# takes the model raises UninitialisedError naming it: nothing unwritten is ever trained.
+
+
+def check_initialised(module: nn.Module) -> None:
+    """Raise UninitialisedError for the first parameter of `module` built under zero.Init
+    whose values were never written (Note [initialised after the build])."""
+    for name, p in module.named_parameters():
+        s = _SLICES.get(p)
+        if s is not None and s.pending is not None:
+            raise UninitialisedError(
+                f"zero.Init: parameter {name!r} of {type(module).__name__} is never completely initialised: "
+                f"{s.pending}; initialise it in the module's constructor, reset_parameters() or the model's own "
+                "init function, or write it inside GatheredParameters(params, modifier_rank=0) before "
+                "meshspeed.initialize")
 
 
 def full_shape(param: nn.Parameter) -> torch.Size:

@@ -134,6 +134,34 @@ class DeepSpeedEngineAPI:
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
         return engine_api.save_16bit_model(self, save_dir, save_filename)
 
+    def _apply_step(self) -> None:
+        """DeepSpeed's optimizer says whether the last boundary step was skipped (an fp16
+        overflow) as `optimizer.overflow`; accelerate reads it to skip its own scheduler."""
+        super()._apply_step()
+        self.optimizer.overflow = not self._step_applied
+
+    # -- what Hugging Face's Trainer and accelerate call when they save the model ---------------
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save: whether saving the
+        model may gather it whole (else the Trainer saves a checkpoint instead)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The whole state_dict on rank 0 (None elsewhere); a collective (export.py)."""
+        return engine_api.consolidated_state_dict(self, exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The same for tensor-parallel (AutoTP) models: logical, whole tensors on rank 0."""
+        return engine_api.consolidated_state_dict(self, exclude_frozen_parameters)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
+        """DeepSpeed's signature (the Trainer looks for `exclude_frozen_parameters` in it):
+        with it, parameters that do not require grad are left out of the checkpoint and
+        keep their values when it is loaded with load_module_strict=False."""
+        return engine_api.save_checkpoint(self, save_dir, tag=tag, client_state=client_state,
+                                          save_latest=save_latest, exclude_frozen=exclude_frozen_parameters)
+
 
 class DeepSpeedEngine(DeepSpeedEngineAPI, MeshspeedEngine):
     """What `deepspeed.initialize` returns for a model that is not a PipelineModule."""

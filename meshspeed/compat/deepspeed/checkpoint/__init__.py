@@ -1,0 +1,1 @@
+"""`deepspeed.checkpoint`: DeepSpeed's checkpoint utilities, over meshspeed.checkpoint."""

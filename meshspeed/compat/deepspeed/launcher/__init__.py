@@ -1,0 +1,2 @@
+"""`deepspeed.launcher`: DeepSpeed's launcher package; meshspeed's launcher is `meshspeed run`
+(meshspeed/launcher/)."""
