@@ -21,6 +21,7 @@ hold them to a committed baseline.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -69,11 +70,18 @@ def count_step_work(step: Callable[[], Any], warmup: int = 2) -> dict[str, int]:
     `warmup` times first."""
     for _ in range(warmup):
         step()
-    meshspeed_calls, torch_calls, _ = count_python_calls(step)
-    with comm.CommCounter() as counter:
-        step()
+    # A garbage collection inside a counted step runs finalizers (Python calls) at a moment
+    # that depends on everything the process did before: collect first, none while counting.
+    gc.collect()
+    gc.disable()
+    try:
+        meshspeed_calls, torch_calls, _ = count_python_calls(step)
+        with comm.CommCounter() as counter:
+            step()
+        allocations = count_allocations(step)
+    finally:
+        gc.enable()
     summary = counter.summary()
-    allocations = count_allocations(step)
     return {"python_calls": meshspeed_calls, "torch_calls": torch_calls,
             "collectives": sum(v["calls"] for v in summary.values()),
             "bytes": sum(v["bytes"] for v in summary.values()), "allocations": allocations}
