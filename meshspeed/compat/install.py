@@ -132,12 +132,9 @@ def install(root: Path | None = None) -> list[Path]:
     package = root / ALIAS
     if package.exists():
         raise InstallError(f"{package} exists and is not meshspeed's; remove it first")
-    package.mkdir(parents=True)
-    shim = package / "__init__.py"
-    shim.write_text(SHIM)
-    info = write_metadata(root, [shim])
+    write_shim(str(root))
     importlib.invalidate_caches()
-    return [shim, *sorted(info.iterdir())]
+    return [package / "__init__.py", *sorted((root / _dist_info_name()).iterdir())]
 
 
 def uninstall(root: Path | None = None) -> list[Path]:

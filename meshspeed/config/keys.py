@@ -116,22 +116,33 @@ def _found_auto(value: Any, path: str, result: CheckedKeys) -> bool:
         return False
     if isinstance(value, str) and value == "auto":
         if path.startswith(AUTO_REFUSED):
-            result.problems.append(f'{path}: "auto" was not filled in; DeepSpeed hands optimizer and '
-                                   "scheduler params to the optimizer as written, so give a number")
+            result.problems.append(_auto_refused(path))
         else:
             result.autos.append(path)
         return True
-    # a free-form dict or list (optimizer params): an "auto" inside is reported, the value kept
+    _refuse_nested_auto(value, path, result.problems)  # a free-form dict or list is kept
+    return False
+
+
+def _refuse_nested_auto(value: Any, path: str, problems: list[str]) -> None:
+    """Report every "auto" inside a free-form dict or list that the optimizer or scheduler
+    would receive as written."""
     if isinstance(value, dict):
         items = [(f"{path}.{k}", v) for k, v in value.items()]
     elif isinstance(value, list):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
     else:
-        items = []
+        return
     for p, v in items:
-        if isinstance(v, (dict, list)) or (isinstance(v, str) and v == "auto" and p.startswith(AUTO_REFUSED)):
-            _found_auto(v, p, result)
-    return False
+        if isinstance(v, str) and v == "auto" and p.startswith(AUTO_REFUSED):
+            problems.append(_auto_refused(p))
+        else:
+            _refuse_nested_auto(v, p, problems)
+
+
+def _auto_refused(path: str) -> str:
+    return (f'{path}: "auto" was not filled in; DeepSpeed hands optimizer and scheduler params to the '
+            "optimizer as written, so give a number")
 
 
 def _unknown(

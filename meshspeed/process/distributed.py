@@ -226,12 +226,8 @@ def adopt_process_group() -> None:
     _adopted[:] = [id(world)]
     rollcall.introduce()
     install_stop_report()  # Note [naming the dead rank when torchrun stops the job]
-    if _shutdown not in _registered:
-        atexit.register(_shutdown)
-        _registered.append(_shutdown)
-
-
-_registered: list = []
+    atexit.unregister(_shutdown)  # once per process, whichever group was adopted last
+    atexit.register(_shutdown)
 
 
 def _resolve(env: LaunchEnv, rank: int, world_size: int, distributed_port: int | None) -> LaunchEnv:
