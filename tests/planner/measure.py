@@ -13,6 +13,8 @@ peak of torch tensor memory: no fragmentation, no interpreter.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.utils.checkpoint as ckpt
 
@@ -62,6 +64,8 @@ def states_and_peak(model_fields: dict, config: dict, seq_len: int, checkpointin
     batch = batch_for(engine, model_fields, seq_len)
     run_step(engine, batch)  # the optimizer state exists from here on
     start = engine.memory_breakdown()["total"]
+    # Python threads besides this one would have their allocations counted too
+    threads = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run_step(engine, batch)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
@@ -73,4 +77,4 @@ def states_and_peak(model_fields: dict, config: dict, seq_len: int, checkpointin
     x, y = batch[0]
     engine.backward(engine(x, y))  # mid-accumulation when gas > 1: gradients are held
     mem = engine.memory_breakdown()
-    return {"mem": mem, "peak": start + peak, "start": start}
+    return {"mem": mem, "peak": start + peak, "start": start, "threads": threads}
