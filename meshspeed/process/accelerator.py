@@ -260,7 +260,11 @@ class CpuAccelerator(Accelerator):
         return True
 
     def device_count(self) -> int:
-        return 1
+        """LOCAL_SIZE when a launcher set it (the processes of this node, each one "device"),
+        else 1: DeepSpeed's CPU accelerator counts the same way, and test harnesses copied
+        from DeepSpeed's skip a test of N ranks when this is below N."""
+        local = os.environ.get("LOCAL_SIZE", "")
+        return int(local) if local.isdigit() and int(local) > 0 else 1
 
     def device(self, local_rank: int | None = None) -> torch.device:
         return torch.device("cpu")

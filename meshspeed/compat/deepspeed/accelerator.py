@@ -15,4 +15,13 @@ from meshspeed.process.accelerator import (
     get_accelerator,
 )
 
-__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator"]
+__all__ = ["SUPPORTED_ACCELERATOR_LIST", "Accelerator", "CpuAccelerator", "CudaAccelerator", "get_accelerator",
+           "is_current_accelerator_supported"]
+
+# the accelerators meshspeed runs on (DeepSpeed's list also has xpu, npu, mps, hpu, mlu, sdaa)
+SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu"]
+
+
+def is_current_accelerator_supported() -> bool:
+    """True when the accelerator in use is one meshspeed supports (always, today)."""
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
