@@ -23,8 +23,8 @@ DEEPSPEED_ONLY_OPTIMIZERS = (
     "MuAdamW",
     "MuSGD",
 )
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-DEEPSPEED_ONLY_SCHEDULERS = ("OneCycle", "LRRangeTest")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+DEEPSPEED_ONLY_SCHEDULERS: tuple[str, ...] = ()
 
 
 def canonical_type(
@@ -61,7 +61,7 @@ class OptimizerConfig(StrictModel):
 class SchedulerConfig(StrictModel):
     """Which learning-rate schedule meshspeed builds when the caller passes none."""
 
-    type: str  # WarmupLR, WarmupDecayLR or WarmupCosineLR
+    type: str  # WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest
     params: dict[str, Any] = Field(default_factory=dict)  # e.g. {"warmup_num_steps": 1000}
 
     @field_validator("type", mode="before")

@@ -1,4 +1,6 @@
-"""DeepSpeed's warmup learning-rate schedules, with DeepSpeed's parameter names.
+"""DeepSpeed's learning-rate schedules, with DeepSpeed's parameter names: the warmup
+ones here, OneCycle and LRRangeTest in cyclic_schedules.py, and `build_scheduler`, which
+makes any of them from the config's `scheduler` section.
 
 `step()` is called once per optimizer step, after it; `last_batch_iteration` counts the
 steps taken so far (-1 before the first). The value at iteration `i` follows DeepSpeed:
@@ -25,8 +27,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch.optim import Optimizer
+
+from meshspeed.optim.cyclic_schedules import LRRangeTest, OneCycle
+from meshspeed.optim.schedule_base import LRSchedule, LRScheduleError, per_group
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -42,21 +46,8 @@ def warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> 
     return iteration / warmup_num_steps
 
 
-def _per_group(value: float | Sequence[float], n_groups: int, name: str) -> list[float]:
-    if isinstance(value, (list, tuple)):
-        if len(value) != n_groups:
-            raise ValueError(
-                f"{name} has {len(value)} values but the optimizer has {n_groups} param groups"
-            )
-        return [float(v) for v in value]
-    return [float(value)] * n_groups
-
-
-class WarmupSchedule:
-    """Shared machinery: iteration bookkeeping, writing lrs into the optimizer, state.
-
-    Subclasses define `_lrs_at(iteration) -> list[float]` (one lr per param group).
-    """
+class WarmupSchedule(LRSchedule):
+    """Shared by the warmup schedules: validates and stores the warmup length and curve."""
 
     def __init__(
         self,
@@ -65,68 +56,22 @@ class WarmupSchedule:
         warmup_type: str,
         last_batch_iteration: int,
     ):
-        if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-            raise ValueError(
+        if (isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int)
+                or warmup_num_steps <= 0):
+            raise LRScheduleError(
                 f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}"
             )
         if warmup_type not in WARMUP_TYPES:
-            raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
-        self.optimizer = optimizer
+            raise LRScheduleError(
+                f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}"
+            )
+        super().__init__(optimizer, last_batch_iteration)
         # log(1) = 0 would divide by zero; DeepSpeed clamps the same way.
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
-        self.last_batch_iteration = last_batch_iteration
-        # The lrs the optimizer was built with. Recorded in the group (as torch's own
-        # schedulers do) so a schedule rebuilt after optimizer.load_state_dict() still sees
-        # the original lrs rather than the last scheduled ones.
-        for group in optimizer.param_groups:
-            group.setdefault("initial_lr", float(group["lr"]))
-        self.base_lrs = [float(group["initial_lr"]) for group in optimizer.param_groups]
-        self._last_lr: list[float] = []
-
-    def _lrs_at(self, iteration: int) -> list[float]:
-        raise NotImplementedError
 
     def _warmup(self, iteration: int) -> float:
         return warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
-
-    def get_lr(self) -> list[float]:
-        """The lr of each param group at `last_batch_iteration`."""
-        return self._lrs_at(self.last_batch_iteration)
-
-    def get_last_lr(self) -> list[float]:
-        """The lrs most recently written into the optimizer."""
-        return list(self._last_lr)
-
-    def step(self, last_batch_iteration: int | None = None) -> None:
-        """Advance one iteration (or jump to `last_batch_iteration`) and set the lrs."""
-        if last_batch_iteration is None:
-            last_batch_iteration = self.last_batch_iteration + 1
-        self.last_batch_iteration = last_batch_iteration
-        self._apply()
-
-    def _apply(self) -> None:
-        lrs = self.get_lr()
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            if isinstance(group["lr"], torch.Tensor):  # tensor lr (capturable optimizers)
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
-        self._last_lr = lrs
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_batch_iteration": self.last_batch_iteration, "base_lrs": list(self.base_lrs)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; also accepts DeepSpeed's state dicts, which hold only the iteration."""
-        self.last_batch_iteration = int(state["last_batch_iteration"])
-        if "base_lrs" in state:
-            self.base_lrs = [float(lr) for lr in state["base_lrs"]]
-        self._on_base_lrs_changed()
-        self._apply()
-
-    def _on_base_lrs_changed(self) -> None:
-        """Hook for schedules that derive per-group values from base_lrs."""
 
 
 class WarmupLR(WarmupSchedule):
@@ -148,14 +93,14 @@ class WarmupLR(WarmupSchedule):
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         n = len(optimizer.param_groups)
         self._max_lr_arg = warmup_max_lr
-        self.min_lrs = _per_group(warmup_min_lr, n, "warmup_min_lr")
+        self.min_lrs = per_group(warmup_min_lr, n, "warmup_min_lr")
         self._on_base_lrs_changed()
         self._apply()
 
     def _on_base_lrs_changed(self) -> None:
         n = len(self.base_lrs)
         max_lr = self.base_lrs if self._max_lr_arg is None else self._max_lr_arg
-        self.max_lrs = _per_group(max_lr, n, "warmup_max_lr")
+        self.max_lrs = per_group(max_lr, n, "warmup_max_lr")
 
     def _gamma(self, iteration: int) -> float:
         return self._warmup(iteration)
@@ -224,15 +169,21 @@ class WarmupCosineLR(WarmupSchedule):
         cosine = (1 + math.cos(math.pi * progress)) / 2  # 1 -> 0
         return max(0.0, self.cos_min_ratio + (1 - self.cos_min_ratio) * cosine)
 
+    def get_lr_ratio(self) -> float:
+        """The multiplier at `last_batch_iteration`."""
+        return self.lr_ratio(self.last_batch_iteration)
+
     def _lrs_at(self, iteration: int) -> list[float]:
         ratio = self.lr_ratio(iteration)
         return [base * ratio for base in self.base_lrs]
 
 
-SCHEDULERS: dict[str, type[WarmupSchedule]] = {
+SCHEDULERS: dict[str, type[LRSchedule]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "OneCycle": OneCycle,
+    "LRRangeTest": LRRangeTest,
 }
 
 
@@ -241,13 +192,13 @@ def _did_you_mean(name: str, choices: Sequence[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def build_scheduler(optimizer: Optimizer, type_name: str, params: dict[str, Any]) -> WarmupSchedule:
+def build_scheduler(optimizer: Optimizer, type_name: str, params: dict[str, Any]) -> LRSchedule:
     """Build a schedule from DeepSpeed's `"scheduler": {"type": ..., "params": {...}}`.
 
-    Raises ValueError naming an unknown type or parameter, with a suggestion.
+    Raises LRScheduleError (a ValueError) naming an unknown type or parameter, with a suggestion.
     """
     if type_name not in SCHEDULERS:
-        raise ValueError(
+        raise LRScheduleError(
             f"unknown scheduler type {type_name!r}{_did_you_mean(type_name, list(SCHEDULERS))} "
             f"(supported: {', '.join(SCHEDULERS)})"
         )
@@ -256,7 +207,7 @@ def build_scheduler(optimizer: Optimizer, type_name: str, params: dict[str, Any]
     accepted = [name for name in signature.parameters if name not in ("self", "optimizer")]
     for key in params:
         if key not in accepted:
-            raise ValueError(
+            raise LRScheduleError(
                 f"unknown parameter {key!r} for scheduler {type_name}"
                 f"{_did_you_mean(key, accepted)} (accepted: {', '.join(accepted)})"
             )
@@ -266,5 +217,5 @@ def build_scheduler(optimizer: Optimizer, type_name: str, params: dict[str, Any]
         if signature.parameters[name].default is inspect.Parameter.empty and name not in params
     ]
     if missing:
-        raise ValueError(f"scheduler {type_name} requires {', '.join(map(repr, missing))}")
+        raise LRScheduleError(f"scheduler {type_name} requires {', '.join(map(repr, missing))}")
     return cls(optimizer, **params)

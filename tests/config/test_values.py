@@ -115,9 +115,11 @@ def test_deepspeed_only_optimizer_says_what_is_supported():
 def test_scheduler_types():
     cfg = load_config({"scheduler": {"type": "warmupcosinelr", "params": {"warmup_num_steps": 10}}})
     assert cfg.scheduler.type == "WarmupCosineLR"
-    msg = error_of({"scheduler": {"type": "OneCycle"}})
-    assert "a DeepSpeed scheduler meshspeed does not implement yet" in msg
-    assert "WarmupLR, WarmupDecayLR, WarmupCosineLR" in msg
+    assert load_config({"scheduler": {"type": "onecycle"}}).scheduler.type == "OneCycle"
+    assert load_config({"scheduler": {"type": "LRRangeTest"}}).scheduler.type == "LRRangeTest"
+    msg = error_of({"scheduler": {"type": "OneCycleLR"}})
+    assert "did you mean 'OneCycle'" in msg
+    assert "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest" in msg
 
 
 def test_communication_dtype_accepts_torch_names():
