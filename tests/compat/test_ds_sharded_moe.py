@@ -48,7 +48,7 @@ def test_top1_without_rts_keeps_the_first_tokens():
 
 
 def test_top1_sparse_form():
-    l_aux, cap, num_experts, indices, locations, gates, counts = top1gating(
+    _, cap, num_experts, indices, locations, gates, counts = top1gating(
         LOGITS1, 1.0, 0, use_rts=False, sparse_routes=True)
     assert int(cap) == 3 and num_experts == 2 and counts.tolist() == [5, 1]
     assert indices.dtype == locations.dtype == torch.int32
@@ -58,7 +58,7 @@ def test_top1_sparse_form():
 
 
 def test_top1_dropless_keeps_every_token():
-    _, combine, _, counts = top1gating(LOGITS1, 1.0, 0, drop_tokens=False, use_rts=False)
+    _, combine, _, _ = top1gating(LOGITS1, 1.0, 0, drop_tokens=False, use_rts=False)
     assert combine.shape == (6, 2, 5)  # the busiest expert's 5 tokens
     assert [tuple(i) for i in combine.nonzero().tolist()] == [
         (0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3), (4, 0, 4), (5, 1, 0)]
@@ -160,7 +160,7 @@ def test_topkgate_has_deepspeeds_signature_and_forms():
     torch.manual_seed(0)
     gate = TopKGate(4, 3, 2, 1.0, 1.0)
     assert gate.min_capacity == 8 and gate.ep_group is None
-    l_aux, combine, mask, counts = gate(torch.randn(5, 4))
+    _, combine, _, counts = gate(torch.randn(5, 4))
     assert combine.shape == (5, 3, 8) and int(counts.sum()) == 10
     gate._set_ep_group("group")
     with pytest.raises(AssertionError, match="already has an expert-parallel group"):
@@ -195,6 +195,7 @@ def test_deepspeed_moe_reaches_meshspeeds_modules():
         import deepspeed.moe.layer
         import deepspeed.moe.sharded_moe
         import deepspeed.moe.utils
+
         import meshspeed.moe.layer
         import meshspeed.moe.utils
 

@@ -172,7 +172,7 @@ class TopKGate(Gate):
                                     "without ep_group.")
         self.capacity_group = ep_group
 
-    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None,  # noqa: A002
+    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None,
                 sparse_routes: bool = False, use_tutel: bool = False) -> GateOutput:
         return _outputs(super().forward(input, used_token), sparse_routes)
 
