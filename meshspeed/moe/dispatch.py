@@ -52,7 +52,7 @@ from meshspeed import comm
 from meshspeed.comm import differentiable
 from meshspeed.moe.gating import Routing
 
-__all__ = ["all_to_all", "all_to_all_uneven", "exchange_capacity", "exchange_dropless"]
+__all__ = ["BufferAllToAll", "all_to_all", "all_to_all_uneven", "exchange_capacity", "exchange_dropless"]
 
 RunExperts = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
@@ -72,6 +72,26 @@ def all_to_all_uneven(x: torch.Tensor, group: Any, output_splits: Sequence[int],
     ...; the result holds output_splits[j] rows from each rank j, in rank order. Backward:
     the all-to-all of the gradient with the splits swapped."""
     return differentiable.all_to_all(x, group, output_splits, input_splits)
+
+
+# Note [the buffer all-to-all, by attribute]
+# The capacity exchange calls its two all-to-alls as `BufferAllToAll.apply(group, buffer)`,
+# looked up on the class at each call, never bound once: DeepSpeed's MOELayer calls
+# `sharded_moe._AllToAll.apply(group, x)` the same way, and scripts and tests replace that
+# attribute (to count the exchanges, or to stub them on one process).
+# `deepspeed.moe.sharded_moe._AllToAll` is this class, so a replacement there reaches
+# meshspeed's layers too. The dropless exchange sends uneven splits, which DeepSpeed's
+# _AllToAll cannot express, and is not routed through it.
+
+
+class BufferAllToAll:
+    """The equal-block all-to-all of the capacity buffers, with autograd (`all_to_all`),
+    called as DeepSpeed's `_AllToAll` is: `BufferAllToAll.apply(group, x)`, Note [the
+    buffer all-to-all, by attribute]."""
+
+    @staticmethod
+    def apply(group: Any, x: torch.Tensor) -> torch.Tensor:
+        return all_to_all(x, group)
 
 
 # -- the exchanges ------------------------------------------------------------------------------
@@ -99,7 +119,7 @@ def exchange_capacity(routing: Routing, x: torch.Tensor, experts: RunExperts,
     local = num_experts // ep
     buffer = routing.dispatch(x)  # [E, C, M]
     if ep > 1:
-        buffer = all_to_all(buffer, group)  # [ep * local, C, M]: block j from rank j
+        buffer = BufferAllToAll.apply(group, buffer)  # [ep * local, C, M]: block j from rank j
     # [ep, local, C, M] -> local expert i's [ep * C, M] rows: one copy (none if ep or local
     # is 1), and unbind's backward one stack, where an index per expert would zero-fill a
     # whole [E, C, M] gradient for each of the local experts.
@@ -110,7 +130,7 @@ def exchange_capacity(routing: Routing, x: torch.Tensor, experts: RunExperts,
     else:
         out = torch.stack([o.view(ep, cap, model_dim) for o in outs], 1).view(num_experts, cap, model_dim)
     if ep > 1:
-        out = all_to_all(out, group)  # back to [E, C, M] in this rank's token slots
+        out = BufferAllToAll.apply(group, out)  # back to [E, C, M] in this rank's token slots
     return routing.combine(out)
 
 

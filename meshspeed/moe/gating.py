@@ -4,7 +4,8 @@ The router of GShard (arXiv:2006.16668, top-2), Switch (arXiv:2101.03961, top-1)
 DeepSpeed-MoE (arXiv:2201.05596), with DeepSpeed's semantics (`deepspeed/moe/sharded_moe.py`)
 where DeepSpeed defines them, as pure functions of the router logits on one process:
 
-    routing = top1_routing(logits, capacity_factor=1.0, min_capacity=4)   # or top2_routing
+    routing = top1_routing(logits, capacity_factor=1.0, min_capacity=4)   # or top2_routing,
+                                                                          # topk_routing(logits, k)
     buffer = routing.dispatch(x)          # [E, C, M]: each expert's tokens, zero-padded
     y = routing.combine(experts(buffer))  # [S, M]: gate-weighted sum of each token's experts
     loss = loss + aux_coef * routing.l_aux + z_coef * routing.z_loss
@@ -29,6 +30,7 @@ when one is passed, and is float32. Per call, in this order, and nothing else:
   or, for k=2:
   b2. with top2_2nd_expert_sampling=True (training and eval): `torch.rand(S, E)` turned
       into Gumbel noise added to the logits to pick the second expert.
+  (k >= 3, `topk_routing`, draws nothing.)
 These are the draws DeepSpeed 0.19 makes, of the same shapes, in the same order, with the
 same transforms, so one seed gives the same routing here and in DeepSpeed, and the same
 generator state afterwards (dropout after the gate sees the same numbers). A one-process
@@ -58,11 +60,13 @@ __all__ = [
     "jitter",
     "top1_routing",
     "top2_routing",
+    "topk_routing",
 ]
 
 logger = logging.getLogger("meshspeed")
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")  # "None" is DeepSpeed's string for None
+DROP_POLICIES = ("probs", "position")  # topk_routing: which tokens an over-full expert keeps
 
 
 # -- capacity -----------------------------------------------------------------------------------
@@ -339,12 +343,65 @@ def top2_routing(logits: torch.Tensor, capacity_factor: float = 1.0, min_capacit
                    z_loss=_z_loss(logits))
 
 
-def _check_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
+# Note [top-k routing]
+# k >= 1 experts per token (DeepSpeed's `topkgating`, which its TopKGate uses for k > 2):
+# the k largest softmax gates, columns in decreasing gate order (ties: the lower expert
+# index, torch.topk's order). Unlike top-2, the k choices are alike: the balance loss
+# counts all of them, l_aux = E / k * sum_e mean_s(gates[s, e]) * mean_s(chosen[s, e])
+# (a uniform router gives 1), and an expert's slots go to its tokens in token order,
+# whatever place the expert has among each token's choices. Over-full experts:
+# drop_policy="probs" keeps the `capacity` tokens with the largest gate for that expert
+# (ties: the earlier token; DeepSpeed's topk leaves ties unspecified), "position" the
+# first `capacity` in token order. The kept gates of a token are renormalised to sum to 1.
+
+
+def topk_routing(logits: torch.Tensor, k: int, capacity_factor: float = 1.0, min_capacity: int = 4,
+                 *, used_token: torch.Tensor | None = None, drop_tokens: bool = True,
+                 drop_policy: str = "probs", capacity_group: Any = None) -> Routing:
+    """Top-k routing of logits [S, E], 1 <= k <= E, Note [top-k routing]. Capacity:
+    `capacity(S, E, capacity_factor, min_capacity, k=k)` with `drop_tokens`, else Note
+    [dropless capacity]. `used_token` [S] (nonzero = used) leaves the others unrouted
+    (DeepSpeed's topkgating has no used_token). No random draws. Computed in float32."""
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"topk_routing: drop_policy={drop_policy!r} is not one of "
+                         f"{', '.join(map(repr, DROP_POLICIES))} (which tokens an over-full expert "
+                         "keeps: the largest gates, or the first in token order).")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"topk_routing: k={k!r}; it must be an int >= 1 (experts per token).")
+    logits = _check_logits(logits, k=k, name="topk_routing")
+    num_tokens, num_experts = logits.shape
+    gates = F.softmax(logits, dim=1)
+    expert = gates.topk(k, dim=1).indices  # [S, k]
+    used = _used(used_token, num_tokens, logits.device)
+    chosen = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, expert, True) & used.unsqueeze(1)
+    exp_counts = chosen.sum(dim=0)
+    cap = _capacity_of(drop_tokens, num_tokens, num_experts, capacity_factor, min_capacity, k,
+                       exp_counts, capacity_group)
+
+    kept = chosen
+    if drop_tokens and drop_policy == "position":
+        kept = chosen & (chosen.cumsum(dim=0) <= cap)
+    elif drop_tokens:  # each expert's tokens by decreasing gate, then token order
+        order = torch.where(chosen, gates, -1.0).argsort(dim=0, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(
+            0, order, torch.arange(num_tokens, device=logits.device).unsqueeze(1).expand_as(order))
+        kept = chosen & (rank < cap)
+    keep = kept.gather(1, expert)  # [S, k]
+    place = (kept.cumsum(dim=0) - 1).gather(1, expert)
+    gate = gates.gather(1, expert) * keep
+    denom = gate.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gate.dtype).eps)
+    return Routing(expert_index=expert, slot=torch.where(keep, place, -1), weight=gate / denom,
+                   exp_counts=exp_counts, capacity=cap, l_aux=_balance_loss(gates, chosen) / k,
+                   z_loss=_z_loss(logits))
+
+
+def _check_logits(logits: torch.Tensor, k: int, name: str | None = None) -> torch.Tensor:
+    name = name or f"top{k}_routing"
     if logits.dim() != 2:
-        raise ValueError(f"top{k}_routing: logits has shape {tuple(logits.shape)}; expected "
+        raise ValueError(f"{name}: logits has shape {tuple(logits.shape)}; expected "
                          "[tokens, experts] (flatten batch and sequence into tokens first).")
     if logits.shape[1] < k:
-        raise ValueError(f"top{k}_routing: {logits.shape[1]} expert(s) for k={k}; each token "
+        raise ValueError(f"{name}: {logits.shape[1]} expert(s) for k={k}; each token "
                          f"needs {k} distinct experts, so use at least {k} experts or a smaller k.")
     return logits.float()
 
@@ -404,13 +461,13 @@ def _warn_once_on_rank_zero(message: str) -> None:
 
 
 class Gate(nn.Module):
-    """DeepSpeed's `TopKGate` for k = 1 or 2: `wg` (bias-free Linear, DeepSpeed's name and
-    layout, so checkpoints line up) applied in float32, then `top1_routing` or
-    `top2_routing`.
+    """DeepSpeed's `TopKGate`: `wg` (bias-free Linear, DeepSpeed's name and layout, so
+    checkpoints line up) applied in float32, then `top1_routing` (k=1), `top2_routing`
+    (k=2) or `topk_routing` with drop_policy "probs" (k >= 3, as DeepSpeed's TopKGate).
 
     capacity_factor applies in training, eval_capacity_factor in eval. noisy_gate_policy,
-    in training only: "Jitter" multiplies the router input by `jitter` noise (top-1 and
-    top-2); "RSample" picks the top-1 expert from Gumbel-noised logits (with k=2 it has no
+    in training only: "Jitter" multiplies the router input by `jitter` noise (any k);
+    "RSample" picks the top-1 expert from Gumbel-noised logits (with k >= 2 it has no
     effect, as in DeepSpeed, and rank 0 logs a warning once). use_rts (top-1)
     and top2_2nd_expert_sampling (top-2) apply in eval too, as in DeepSpeed. capacity_group:
     the expert-parallel group whose ranks must agree on the dropless capacity. Random draws:
@@ -423,9 +480,9 @@ class Gate(nn.Module):
                  drop_tokens: bool = True, use_rts: bool = True,
                  top2_2nd_expert_sampling: bool = True, capacity_group: Any = None) -> None:
         super().__init__()
-        if k not in (1, 2):
-            raise ValueError(f"Gate: k={k} is not supported; k=1 (Switch top-1) and k=2 "
-                             "(GShard top-2) are.")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"Gate: k={k!r} is not supported; k=1 (Switch top-1), k=2 (GShard "
+                             "top-2) or any larger int (top-k) is.")
         if num_experts < k:
             raise ValueError(f"Gate: k={k} is larger than num_experts={num_experts}; each "
                              f"token needs {k} distinct experts.")
@@ -433,9 +490,9 @@ class Gate(nn.Module):
             raise ValueError(f"Gate: noisy_gate_policy={noisy_gate_policy!r} is not one of "
                              f"{', '.join(map(repr, NOISY_GATE_POLICIES))}.")
         noisy_gate_policy = None if noisy_gate_policy == "None" else noisy_gate_policy
-        if noisy_gate_policy == "RSample" and k == 2:  # DeepSpeed accepts it and ignores it
+        if noisy_gate_policy == "RSample" and k >= 2:  # DeepSpeed accepts it and ignores it
             _warn_once_on_rank_zero(
-                "MoE gate: noisy_gate_policy='RSample' has no effect with k=2 (it samples the "
+                f"MoE gate: noisy_gate_policy='RSample' has no effect with k={k} (it samples the "
                 "top-1 expert only; top-2 samples its second expert with "
                 "top2_2nd_expert_sampling=True); DeepSpeed ignores it there too. Drop the "
                 "policy, or use 'Jitter' to add noise to a top-2 router.")
@@ -468,8 +525,11 @@ class Gate(nn.Module):
             return top1_routing(logits, factor, self.min_capacity, use_rts=self.use_rts,
                                 rsample=self.training and self.noisy_gate_policy == "RSample",
                                 **common)
-        return top2_routing(logits, factor, self.min_capacity,
-                            second_expert_sampling=self.top2_2nd_expert_sampling, **common)
+        if self.k == 2:
+            return top2_routing(logits, factor, self.min_capacity,
+                                second_expert_sampling=self.top2_2nd_expert_sampling, **common)
+        del common["generator"]  # top-k draws nothing
+        return topk_routing(logits, self.k, factor, self.min_capacity, **common)
 
     def extra_repr(self) -> str:
         return (f"model_dim={self.model_dim}, num_experts={self.num_experts}, k={self.k}, "

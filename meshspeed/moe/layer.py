@@ -120,6 +120,11 @@ class MOELayer(nn.Module):
         if used_token is not None and used_token.numel() == tokens.shape[0]:
             used_token = used_token.reshape(-1)
         routing = self.gate(tokens, used_token)
+        if not isinstance(routing, Routing):
+            raise TypeError(f"MOELayer: the gate ({type(self.gate).__name__}) returned a "
+                            f"{type(routing).__name__}, not a Routing; build the layer with "
+                            "meshspeed.moe.gating.Gate (DeepSpeed's TopKGate returns DeepSpeed's "
+                            "tuples, for scripts that call it directly).")
         self.l_aux, self.exp_counts, self.z_loss = routing.l_aux, routing.exp_counts, routing.z_loss
         group = self.ep_group if self.ep_size > 1 else None
         if not self.gate.drop_tokens:

@@ -494,8 +494,8 @@ def test_gate_none_string_policy_is_none():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"k": 3}, "k=3 is not supported; k=1 .* and k=2 .* are"),
-    ({"k": 0}, "k=0 is not supported"),
+    ({"k": 0}, "k=0 is not supported; k=1 .*, k=2 .* or any larger int .* is"),
+    ({"k": 1.5}, "k=1.5 is not supported"),
     ({"num_experts": 1, "k": 2}, "k=2 is larger than num_experts=1"),
     ({"noisy_gate_policy": "Gumbel"}, "'Gumbel' is not one of None, 'None', 'Jitter', 'RSample'"),
     ({"capacity_factor": 0.0}, "capacity_factor=0.0: it must be > 0"),

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshspeed.topology.degrees import ParallelDims
+
 _current: list[Any] = []  # [Topology] of the latest initialize
 
 
@@ -125,3 +127,33 @@ def _get_expert_data_parallel_world_size(group_name: str) -> int:
 
 def _get_expert_data_parallel_rank(group_name: str) -> int:
     return _expert_topology(group_name).coord("edp")
+
+
+# -- DeepSpeed's rank arithmetic for the expert groups, from meshspeed's layout
+class ExpertLayoutError(AssertionError, ValueError):
+    """Degrees that do not tile the world (DeepSpeed asserts there)."""
+
+
+def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
+                               pipeline_parallel_size_: int = 1,
+                               use_data_before_expert_parallel_: bool = False
+                               ) -> tuple[list[list[int]], list[list[int]]]:
+    """(ep groups, edp groups) as rank lists, meshspeed's layout (ParallelDims, the E + D
+    order DeepSpeed uses by default) in DeepSpeed's order: data-parallel group by
+    data-parallel group (pipeline stage, then tensor-parallel rank), its ep blocks in turn,
+    then its edp groups by ep coordinate."""
+    if use_data_before_expert_parallel_:
+        raise ExpertLayoutError("_get_expert_parallel_ranks: use_data_before_expert_parallel_=True "
+                                "(the D + E layout) is not meshspeed's layout; meshspeed places "
+                                "each ep group on consecutive data-parallel ranks (E + D), so "
+                                "leave it False.")
+    try:
+        dims = ParallelDims(world_size, tp=tensor_parallel_size_, pp=pipeline_parallel_size_,
+                            ep=expert_parallel_size_)
+    except ValueError as error:
+        raise ExpertLayoutError(f"_get_expert_parallel_ranks: {error}") from None
+    ep, edp = [], []
+    for dp_ranks in dims.groups("dp"):  # sorted by first rank: pipeline stage, then tp rank
+        ep += [dims.group_of("ep", r) for r in dp_ranks[::dims.ep]]
+        edp += [dims.group_of("edp", r) for r in dp_ranks[:dims.ep]]
+    return ep, edp
