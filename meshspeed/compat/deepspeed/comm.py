@@ -15,7 +15,14 @@ from meshspeed.comm import *
 from meshspeed.comm import __all__ as _collectives
 from meshspeed.process.distributed import get_local_rank, init_distributed
 
-__all__ = [*_collectives, "destroy_process_group", "get_local_rank", "init_distributed"]  # noqa: PLE0604
+__all__ = [*_collectives, "destroy_process_group", "get_local_rank", "init_distributed",  # noqa: PLE0604
+           "new_group"]
+
+
+def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
+    """A process group of `ranks` (every rank when None), as torch.distributed makes it:
+    collective, every rank calls it for every group, in the same order."""
+    return dist.new_group(ranks=ranks, **kwargs)
 
 
 def destroy_process_group(group: Any = None) -> None:

@@ -5,7 +5,13 @@ message consumed one step after it is produced, and what cannot be placed is ref
 import pytest
 
 from meshspeed.parallel.pipeline.lockstep import peak_in_flight, place
-from meshspeed.parallel.pipeline.schedule import Action, ScheduleError, build, forward_only, one_f_one_b
+from meshspeed.parallel.pipeline.schedule import (
+    Action,
+    ScheduleError,
+    build,
+    forward_only,
+    one_f_one_b,
+)
 
 
 def test_two_stages_four_micro_batches_by_hand():

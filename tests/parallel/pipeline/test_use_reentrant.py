@@ -9,7 +9,12 @@ from torch import nn
 
 import meshspeed
 from meshspeed.config import ConfigError, load_config
-from meshspeed.parallel.activation_checkpoint import CheckpointPolicy, checkpoint, current_policy, set_policy
+from meshspeed.parallel.activation_checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    current_policy,
+    set_policy,
+)
 from meshspeed.parallel.non_reentrant import NonReentrantCheckpointError, non_reentrant_checkpoint
 from meshspeed.parallel.pipeline.module import LayerSpec, PipelineModule
 from meshspeed.testing import run_distributed
