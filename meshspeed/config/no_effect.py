@@ -49,8 +49,6 @@ NO_EFFECT: dict[str, str] = {
     "on the previous stage (the same numbers; docs/pipeline.md)",
     "pipeline.partition": "PipelineModule(partition_method=...) decides the cut, as in DeepSpeed",
     "pipeline.seed_layers": "PipelineModule(seed_layers=...) decides, as in DeepSpeed",
-    "pipeline.activation_checkpoint_interval": "PipelineModule(activation_checkpoint_interval=...) "
-    "decides, as in DeepSpeed",
     "dump_state": "the resolved config is available as engine.config",
     "compression_training.weight_quantization.shared_parameters.quantizer_kernel": "weights are "
     "quantized with torch ops in the forward; DeepSpeed's CUDA kernel was a speed choice",

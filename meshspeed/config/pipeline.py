@@ -5,7 +5,10 @@ Owned by `meshspeed/parallel/pipeline` and `meshspeed/engine/pipeline.py`. The n
 of stages is the model's (`PipelineModule(num_stages=...)`); `stages` here, when a
 number, must agree with it. `partition` and `seed_layers` are the config spellings of
 PipelineModule's own arguments and, as in DeepSpeed, the module's arguments are what
-count; `activation_checkpoint_interval` likewise.
+count. As in DeepSpeed's engine, `activation_checkpoint_interval` above 0 replaces the
+module's, and `use_reentrant: false` checkpoints the pipeline's layers with the
+non-reentrant checkpoint (meshspeed/parallel/non_reentrant.py) instead of the module's
+function (applied at initialize, meshspeed/parallel/pipeline/axis.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class PipelineConfig(StrictModel):
     partition: str = "best"  # DeepSpeed's spelling; the module's partition_method decides
     seed_layers: bool = False
     activation_checkpoint_interval: NonNegInt = 0
+    use_reentrant: bool = True  # False: the pipeline's layers use the non-reentrant checkpoint
     # DeepSpeed sends 1/tp of each activation and all-gathers it on arrival; here every tp
     # rank sends its whole (identical) activation to its peer: same numbers, more bytes
     pipe_partitioned: bool = True

@@ -143,27 +143,53 @@ class PipelineEngine(MeshspeedEngine):
                    num_micro_batches: int | None = None):
         """Forward gradient_accumulation_steps (or num_micro_batches) micro-batches without
         gradients; returns the mean loss on every rank, and with return_logits also the last
-        stage's outputs (a list per micro-batch; None on other stages)."""
+        stage's outputs (a list per micro-batch; None on other stages). Without a loss
+        (compute_loss=False, or PipelineModule(loss_fn=None)) the value is the last stage's
+        outputs instead (Note [eval_batch without a loss])."""
         if reduce_output not in ("avg", None):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): \"avg\" or None")
         was_training = self.module.training
         self.module.eval()
         m = num_micro_batches or self.config.gradient_accumulation_steps
+        use_loss = compute_loss and self.module.loss_fn is not None
         try:
             inputs, targets = self._read_batch(data_iter, m, "eval_batch", need_targets=compute_loss)
-            outputs: list | None = [] if return_logits and self.is_last_stage() else None
+            keep = (return_logits or not use_loss) and self.is_last_stage()
+            outputs: list | None = [] if keep else None
             with torch.no_grad():
                 losses = self._run(self._actions(m, forward_only=True), inputs,
-                                   targets if compute_loss else None, train=False, outputs=outputs)
+                                   targets if use_loss else None, train=False, outputs=outputs)
         finally:
             self.module.train(was_training)
-        loss = None
-        if compute_loss:
-            loss = self._mean_loss(losses) if reduce_output == "avg" else (
+        if use_loss:
+            value = self._mean_loss(losses) if reduce_output == "avg" else (
                 torch.tensor(losses) if self.is_last_stage() else None)
+        else:
+            value = self._reduced_outputs(outputs, reduce_output, broadcast=compute_loss and bcast_loss)
         if return_logits:
-            return loss, outputs
-        return loss
+            return value, outputs
+        return value
+
+    # Note [eval_batch without a loss]
+    # As DeepSpeed's engine does, the last stage's value per micro-batch is the loss when
+    # eval_batch computes one (compute_loss and a loss_fn) and the stage's output otherwise
+    # (models whose last layer returns the loss). With reduce_output="avg" the outputs are
+    # averaged over the micro-batches and the data-parallel replicas; with None they are
+    # the list. Where a loss would be broadcast (compute_loss and bcast_loss, i.e. loss_fn
+    # None) the average reaches every stage, whatever its shape (DeepSpeed's broadcast
+    # takes one-element outputs only); otherwise the other stages get None.
+    def _reduced_outputs(self, outputs: list | None, reduce_output: str | None, broadcast: bool):
+        value = None
+        if self.is_last_stage():
+            value = outputs if reduce_output is None else _mean_over(outputs)
+            dp = self.topology.size("dp")
+            if reduce_output == "avg" and dp > 1:
+                for t in _tensors(value):
+                    comm.all_reduce(t, group=self.dp_group)
+                    t /= dp
+        if broadcast and reduce_output == "avg":
+            value = _broadcast_from_last(value, self.num_stages - 1, self.pp_group, self.device)
+        return value
 
     # -- one batch -------------------------------------------------------------------------------
     def _actions(self, m: int, forward_only: bool = False):
@@ -276,3 +302,37 @@ class PipelineEngine(MeshspeedEngine):
             loss /= dp
         comm.broadcast(loss, src=self.num_stages - 1, group=self.pp_group)
         return loss
+
+
+def _mean_over(outputs: list):
+    """The element-wise mean of the micro-batches' outputs (tensors, or tuples of them)."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return sum(o.float() if not o.is_floating_point() else o for o in outputs) / len(outputs)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_mean_over([o[i] for o in outputs]) for i in range(len(first)))
+    raise PipelineError(f"eval_batch averages the last stage's outputs over micro-batches, but they are "
+                        f"{type(first).__name__}, not tensors; pass reduce_output=None for the list")
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else [t for v in value for t in _tensors(v)]
+
+
+def _broadcast_from_last(value, src: int, group, device: torch.device):
+    """`value` (a tensor or nested tuples of them) of pipeline rank `src`, on every stage."""
+    def spec(v):
+        if isinstance(v, torch.Tensor):
+            return (tuple(v.shape), v.dtype)
+        return (type(v), [spec(x) for x in v])
+
+    def build(sp):
+        if isinstance(sp[0], tuple):
+            return torch.empty(sp[0], dtype=sp[1], device=device)
+        return sp[0](build(x) for x in sp[1])
+
+    shape = comm.broadcast_object(spec(value) if comm.get_rank(group) == src else None, src=src, group=group)
+    out = value if comm.get_rank(group) == src else build(shape)
+    for t in _tensors(out):
+        comm.broadcast(t, src=src, group=group)
+    return out

@@ -7,6 +7,7 @@
 
 The same names are at DeepSpeed's long path, `meshspeed.runtime.activation_checkpointing
 .checkpointing`. What each does: meshspeed/parallel/activation_checkpoint.py (checkpoint),
+meshspeed/parallel/non_reentrant.py (non_reentrant_checkpoint),
 meshspeed/parallel/activation_setup.py (configure and the config block) and
 meshspeed/parallel/rng_tracker.py (the RNG tracker); docs/activation_checkpointing.md.
 """
@@ -20,6 +21,7 @@ from meshspeed.parallel.activation_setup import (
     reset,
     set_num_layers,
 )
+from meshspeed.parallel.non_reentrant import non_reentrant_checkpoint
 from meshspeed.parallel.rng_tracker import (
     CudaRNGStatesTracker,
     RNGStatesTracker,
@@ -34,6 +36,7 @@ __all__ = [
     "get_cuda_rng_tracker",
     "is_configured",
     "model_parallel_cuda_manual_seed",
+    "non_reentrant_checkpoint",
     "partition_activations_in_checkpoint",
     "reset",
     "set_num_layers",

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from meshspeed.config import ConfigError, MeshspeedConfig
 from meshspeed.config.pipeline import PipelineConfig
+from meshspeed.parallel.non_reentrant import non_reentrant_checkpoint
 from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.parallel.pipeline.schedule import ScheduleError, build
 from meshspeed.parallel.pipeline.tied import TiedGrads
@@ -84,4 +85,15 @@ def apply_pp(model: PipelineModule, mesh: Topology, config: MeshspeedConfig) -> 
         raise ConfigError([(f"pipeline.schedule {cfg.schedule!r}: {err} (the micro-batches of a batch "
                            f"are gradient_accumulation_steps = {m})")]) from err
     model.bind(mesh.coord("pp"), v)
+    _apply_checkpointing(model, cfg)
     return PipelineStep(model, mesh)
+
+
+def _apply_checkpointing(model: PipelineModule, cfg: PipelineConfig) -> None:
+    """The config's say on the layers' activation checkpointing, as DeepSpeed's engine has
+    it: an interval above 0 replaces the module's, and `use_reentrant: false` picks the
+    non-reentrant checkpoint whatever the interval (a later `set_checkpoint_interval` keeps it)."""
+    if cfg.activation_checkpoint_interval > 0:
+        model.set_checkpoint_interval(cfg.activation_checkpoint_interval)
+    if not cfg.use_reentrant:
+        model.activation_checkpoint_func = non_reentrant_checkpoint

@@ -176,6 +176,12 @@ class PipelineModule(nn.Module):
         raise TypeError(f"PipelineModule layer {index}: expected an nn.Module, LayerSpec or callable, "
                         f"got {type(layer).__name__}")
 
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every `interval` layers from now on (0: none)."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"set_checkpoint_interval({interval!r}): a number of layers, 0 or more")
+        self.activation_checkpoint_interval = interval
+
     # -- what the engine asks ------------------------------------------------------------------
     def num_pipeline_stages(self) -> int:
         return self.num_stages

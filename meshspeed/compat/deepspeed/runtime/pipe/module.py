@@ -58,6 +58,21 @@ class PipelineModule(core.PipelineModule):
     def topology(self) -> ProcessTopology:
         return self._topo
 
+    @property
+    def is_checkpointable_results(self) -> list[bool]:
+        """For each block of `activation_checkpoint_interval` layers of this stage, whether
+        forward recomputes it (DeepSpeed's cached list; here read from the current interval
+        and layers each time, so it cannot go stale)."""
+        interval = self.activation_checkpoint_interval
+        if interval <= 0:
+            return []
+        return [self._checkpointable(c.funcs[i:i + interval], c.names[i:i + interval])
+                for c in self.chunks() for i in range(0, len(c.funcs), interval)]
+
+    def _precompute_checkpointable_values(self) -> list[bool]:
+        """DeepSpeed's cache filler; nothing is cached here (is_checkpointable_results)."""
+        return self.is_checkpointable_results
+
 
 def _check_pipe_slowest(topo: ProcessTopology, world: int, stages: int) -> None:
     """A DeepSpeed topology must put the pipe axis first (slowest), as meshspeed's mesh does."""
