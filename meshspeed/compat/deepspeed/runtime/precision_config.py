@@ -14,7 +14,10 @@ from typing import Any
 
 from pydantic import field_validator
 
-from meshspeed.compat.deepspeed.runtime.config_utils import DEEPSPEED_MODEL_CONFIG, DeepSpeedConfigModel
+from meshspeed.compat.deepspeed.runtime.config_utils import (
+    DEEPSPEED_MODEL_CONFIG,
+    DeepSpeedConfigModel,
+)
 from meshspeed.config.errors import show
 from meshspeed.config.precision import BF16Config, FP16Config
 
@@ -38,7 +41,8 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel, FP16Config):
     def _number(cls, value: Any) -> Any:
         # lax pydantic would read true as 1.0 and a list as an opaque type error
         if isinstance(value, bool):
-            raise ValueError(f"fp16.loss_scale must be a number, not {show(value)} (0: dynamic loss scaling)")
+            # pydantic reports ValueError per field; a TypeError would escape unformatted
+            raise ValueError(f"fp16.loss_scale must be a number, not {show(value)} (0: dynamic loss scaling)")  # noqa: TRY004
         try:
             number = float(value)
         except (TypeError, ValueError):

@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["FP16_UnfusedOptimizer"]
 
 
-class FP16_UnfusedOptimizer:  # noqa: N801 - DeepSpeed's name
+class FP16_UnfusedOptimizer:  # DeepSpeed's name
     """DeepSpeed's stage-0 half-precision wrapper; meshspeed has no wrapper (module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any):

@@ -24,7 +24,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from meshspeed.compat.deepspeed.runtime.config_utils import DEEPSPEED_MODEL_CONFIG, DeepSpeedConfigModel
+from meshspeed.compat.deepspeed.runtime.config_utils import (
+    DEEPSPEED_MODEL_CONFIG,
+    DeepSpeedConfigModel,
+)
 from meshspeed.compat.deepspeed.runtime.zero.offload_config import (
     DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,

@@ -12,7 +12,10 @@ from enum import Enum
 
 from pydantic import Field
 
-from meshspeed.compat.deepspeed.runtime.config_utils import DEEPSPEED_MODEL_CONFIG, DeepSpeedConfigModel
+from meshspeed.compat.deepspeed.runtime.config_utils import (
+    DEEPSPEED_MODEL_CONFIG,
+    DeepSpeedConfigModel,
+)
 from meshspeed.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 
 __all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum"]
