@@ -25,7 +25,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "eigenvalue",
         "elasticity",
         "expert_parallel",
-        "gradient_allreduce_op",
         "graph_harvesting",
         "hybrid_engine",
         "managed_gradient_accumulation",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -103,14 +104,14 @@ def _read(config: Any) -> dict[str, Any]:
         return {}
     if isinstance(config, dict):
         return copy.deepcopy(config)
-    if isinstance(config, (str, Path)):
+    if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         try:
             text = path.read_text()
         except OSError as err:
             raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
         try:
-            data = json.loads(text, object_pairs_hook=_no_duplicates)
+            data = _parse(text)
         except json.JSONDecodeError as err:
             raise ConfigError(
                 f"{path}: not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
@@ -124,6 +125,22 @@ def _read(config: Any) -> dict[str, Any]:
         "config must be a path to a JSON file, a dict, a MeshspeedConfig or None "
         f"(got {type(config).__name__})"
     )
+
+
+def _parse(text: str) -> Any:
+    """JSON; or HJSON (comments, unquoted keys, optional commas), which DeepSpeed reads too,
+    when the hjson package is installed. A text neither reads raises the JSON error."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as json_error:
+        try:
+            import hjson  # optional: DeepSpeed depends on it, meshspeed does not
+        except ImportError:
+            raise json_error from None
+        try:
+            return hjson.loads(text, object_pairs_hook=_no_duplicates)
+        except hjson.HjsonDecodeError:
+            raise json_error from None
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

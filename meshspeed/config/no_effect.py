@@ -59,6 +59,8 @@ REFUSED: dict[str, str] = {
     "prescale_gradients": "meshspeed sums gradients and divides once after the reduction "
     "(in fp32 unless communication_data_type says otherwise); remove the key",
     "gradient_predivide_factor": "meshspeed divides once after the reduction; remove the key",
+    "gradient_allreduce_op": "meshspeed averages gradients over the data-parallel ranks; for DeepSpeed's "
+    "sum, multiply the loss by the data-parallel size",
     "fp16.auto_cast": "the model is cast to fp16 whole; torch.autocast inside the model's forward "
     "gives mixed-dtype compute",
 }

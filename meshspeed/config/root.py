@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -17,6 +17,7 @@ from meshspeed.config.comms import CommDtype, CommsLoggerConfig
 from meshspeed.config.composition import config_features, refusals
 from meshspeed.config.compression import CompressionConfig
 from meshspeed.config.context_parallel import ContextParallelConfig, resolve
+from meshspeed.config.errors import show
 from meshspeed.config.gradient_compression import GradientCompressionConfig
 from meshspeed.config.monitor import FileMonitorConfig, FlopsProfilerConfig, WandbConfig
 from meshspeed.config.offload import AioConfig
@@ -66,6 +67,9 @@ class MeshspeedConfig(StrictModel):
     seed: Int | None = None
     prescale_gradients: bool = False  # divide gradients before (not after) reduction
     gradient_predivide_factor: PositiveFloat = 1.0  # divide by this before, the rest after
+    # how data-parallel gradients combine: "mean" is what meshspeed does; DeepSpeed's "sum" is
+    # parsed (any capitalisation) and refused when an engine is built (no_effect.REFUSED)
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
     communication_data_type: CommDtype = None  # gradient reduction dtype; None = training dtype
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     # observability: meshspeed/profiling and meshspeed/monitor (docs/observability.md)
@@ -102,6 +106,25 @@ class MeshspeedConfig(StrictModel):
     @classmethod
     def _never(cls, value: Any) -> Any:
         return sys.maxsize if isinstance(value, float) and value == math.inf else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _allreduce_op(cls, data: Any) -> Any:
+        # checked here, not per field, so the message names the key once
+        if not isinstance(data, dict) or "gradient_allreduce_op" not in data:
+            return data
+        value = data["gradient_allreduce_op"]
+        if not (isinstance(value, str) and value.lower() in ("mean", "sum")):
+            raise ValueError(f'Invalid gradient_allreduce_op {show(value)}: use "mean" (average over '
+                             'the data-parallel ranks) or "sum"')
+        return {**data, "gradient_allreduce_op": value.lower()}
+
+    @model_validator(mode="after")
+    def _sum_needs_unsharded_params(self):
+        if self.gradient_allreduce_op == "sum" and self.zero_stage == 3:
+            raise ValueError('gradient_allreduce_op "sum" is not supported with ZeRO stage 3, as in '
+                             'DeepSpeed; use "mean", or ZeRO stage 0-2')
+        return self
 
     @model_validator(mode="after")
     def _one_half_precision(self):

@@ -119,4 +119,23 @@ def classify(unused: dict[str, Any], raw: dict[str, Any]) -> Unbuilt:
             continue
         if not _disabled(value):
             out.notes.append(path)
+    out.problems.extend(_summed_gradients_with(raw.get("gradient_allreduce_op"), unused))
     return out
+
+
+# keys DeepSpeed refuses next to gradient_allreduce_op "sum": path -> what it asks for
+_NOT_WITH_SUM = {"zero_optimization.zenflow": ("ZenFlow", "zero_optimization.zenflow"),
+                 "compile": ("DeepCompile", "compile.deepcompile")}
+
+
+def _summed_gradients_with(op: Any, unused: dict[str, Any]) -> list[str]:
+    """DeepSpeed's verdict on summed gradients next to features meshspeed sets aside. (meshspeed
+    refuses "sum" when it builds an engine; this names the conflict when the config is read.)"""
+    if not (isinstance(op, str) and op.lower() == "sum"):
+        return []
+    given = dict(unused)
+    compile_block = given.get("compile")
+    if not (isinstance(compile_block, dict) and compile_block.get("deepcompile")):
+        given.pop("compile", None)
+    return [f'gradient_allreduce_op "sum" is not supported with {what} ({key}); use "mean"'
+            for path, (what, key) in _NOT_WITH_SUM.items() if given.get(path) is not None]

@@ -110,7 +110,7 @@ def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.json")
     broken = tmp_path / "broken.json"
-    broken.write_text('{\n  "train_batch_size": 8,\n}')
+    broken.write_text('{\n  "train_batch_size": 8,\n  "steps" }}')  # neither JSON nor HJSON
     with pytest.raises(ConfigError, match="not valid JSON: .* line 3"):
         load_config(broken)
     twice = tmp_path / "twice.json"

@@ -13,8 +13,12 @@ import importlib.util
 from typing import Any
 
 from meshspeed.version import DEEPSPEED_VERSION
+from meshspeed.version import __version__ as _meshspeed_version
 
 __version__ = DEEPSPEED_VERSION
+# what DeepSpeed's build records; the same values as git_version_info's git_hash / git_branch
+__git_hash__ = f"meshspeed-{_meshspeed_version}"
+__git_branch__ = "meshspeed"
 __version_major__, __version_minor__, __version_patch__ = (int(n) for n in __version__.split("+")[0].split("."))
 
 # DeepSpeed's top-level names: name -> (module, attribute); a subpackage of the mirror or of
@@ -31,6 +35,8 @@ _NAMES = {
     "PipelineModule": ("meshspeed.compat.deepspeed.pipe", "PipelineModule"),
     "get_accelerator": ("meshspeed.process.accelerator", "get_accelerator"),
     "ConfigError": ("meshspeed.config.errors", "ConfigError"),
+    "DeepSpeedConfig": ("meshspeed.compat.deepspeed.runtime.config", "DeepSpeedConfig"),
+    "DeepSpeedConfigError": ("meshspeed.compat.deepspeed.runtime.config", "DeepSpeedConfigError"),
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from meshspeed import comm
 from meshspeed.checkpoint import engine_api
 from meshspeed.compression.scheduler import compression_scheduler
+from meshspeed.data.loader import distributed_dataloader
 from meshspeed.engine.engine import MeshspeedEngine
 from meshspeed.process.distributed import get_local_rank
 
@@ -125,6 +126,24 @@ class DeepSpeedEngineAPI:
 
     def get_model_parallel_world_size(self) -> int:
         return self.topology.size("tp")
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train",
+                     pin_memory: bool = True, data_sampler=None, collate_fn=None,
+                     num_local_io_workers: int | None = None):
+        """A loader over this data-parallel rank's shard of `dataset`, as `initialize(training_data=...)`
+        builds: micro batches of `batch_size` (default: the config's micro batch), reshuffled
+        each epoch; a short last batch is dropped, as initialize's loader does. `route` and
+        `pin_memory` are DeepSpeed's hints: the loader is the same for evaluation, and the
+        script moves batches to the device."""
+        if data_sampler is not None:
+            raise NotImplementedError("deepspeed_io(data_sampler=...): meshspeed's loader shards the "
+                                      "dataset over the data-parallel ranks itself; build a "
+                                      "torch DataLoader with your sampler instead")
+        return distributed_dataloader(
+            dataset, batch_size or self.config.train_micro_batch_size_per_gpu,
+            dp_rank=self.topology.coord("dp"), dp_size=self.topology.size("dp"),
+            shuffle=not self.topology.size("pp") > 1,  # the pipeline reads in order, as initialize's
+            collate_fn=collate_fn, num_workers=num_local_io_workers or 0)
 
     @property
     def compression_scheduler(self) -> compression_scheduler | None:
