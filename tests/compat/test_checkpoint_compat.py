@@ -73,14 +73,18 @@ def _params(engine) -> list[torch.Tensor]:
 
 def _zero2_load(save_dir: str) -> dict:
     """ZeRO-2 on 2 ranks: a trained engine saves; a differently trained one loads it with
-    and without its optimizer state; a directory with no `latest` loads nothing."""
+    and without its optimizer state; an empty directory loads nothing, while a directory
+    with checkpoints but no `latest`, or none at all, is an error."""
     from meshspeed import comm
+    from meshspeed.checkpoint import CheckpointError
 
     x = torch.randint(0, 16, (1, 4), generator=torch.Generator().manual_seed(comm.get_rank()))
     saved = small_engine(2, seed=0)
     for _ in range(2):
         train_step(saved, x)
     saved.save_checkpoint(save_dir, tag="t")
+    no_latest = os.path.join(save_dir, "no_latest")
+    saved.save_checkpoint(no_latest, tag="x", save_latest=False)
     fresh = small_engine(2, seed=1)
     train_step(fresh, x.flip(1))
     fresh_state = _optim_state(fresh)
@@ -90,12 +94,18 @@ def _zero2_load(save_dir: str) -> dict:
         os.makedirs(empty, exist_ok=True)
     comm.barrier()
     nothing = fresh.load_checkpoint(os.path.join(save_dir, "empty"))
+    refused = []
+    for where in (no_latest, os.path.join(save_dir, "missing")):  # checkpoints there / a wrong path
+        try:
+            fresh.load_checkpoint(where)
+        except CheckpointError as err:
+            refused.append(str(err))
     unchanged = all(torch.equal(a, b) for a, b in zip(before, _params(fresh)))
     path, _ = fresh.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
     weights_only = {"params": _params(fresh), "state": _optim_state(fresh)}
     fresh.load_checkpoint(save_dir, tag="t", load_optimizer_states=True)
     return {
-        "nothing": nothing, "unchanged": unchanged, "path": path,
+        "nothing": nothing, "refused": refused, "unchanged": unchanged, "path": path,
         "saved_params": _params(saved), "saved_state": _optim_state(saved), "fresh_state": fresh_state,
         "weights_only": weights_only, "full_state": _optim_state(fresh),
         "optim_file": fresh._get_optimizer_ckpt_name(save_dir, "t", 0),
@@ -112,6 +122,8 @@ def _same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) ->
 def test_zero2_load_with_and_without_optimizer_states(tmp_path):
     for rank, got in enumerate(run_distributed(_zero2_load, world_size=2, args=(str(tmp_path),))):
         assert got["nothing"] == (None, None) and got["unchanged"]
+        assert len(got["refused"]) == 2
+        assert "available tags: x" in got["refused"][0] and "does not exist" in got["refused"][1]
         assert got["path"] == os.path.join(str(tmp_path), "t")
         for a, b in zip(got["weights_only"]["params"], got["saved_params"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -149,3 +161,45 @@ def test_empty_partition_cache_shards_what_a_forward_left_whole():
         assert b["whole"] == 0
         for x, y in zip(a["masters"], b["masters"]):  # the backward gathered them again
             assert torch.equal(x, y)
+
+
+def _exclude_frozen(save_dir: str, stage: int) -> dict:
+    """A model whose MLP is frozen saves without it (DeepSpeed's exclude_frozen_parameters);
+    another engine loads that non-strictly and keeps its own MLP values."""
+    import meshspeed
+    from meshspeed.models.gpt import GPT
+    from meshspeed.testing.engines import TINY
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = GPT(TINY)
+        for name, p in model.named_parameters():
+            p.requires_grad = ".mlp." not in name
+        engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        return engine
+
+    x = torch.randint(0, 16, (1, 4))
+    saved = build(0)
+    train_step(saved, x)
+    saved.save_checkpoint(save_dir, tag="t", exclude_frozen_parameters=True)
+    other = build(3)
+    mine = {n: p.detach().clone() for n, p in other.module.named_parameters()}
+    other.load_checkpoint(save_dir, tag="t", load_module_strict=False)
+    return {"saved": {n: p.detach().clone() for n, p in saved.module.named_parameters()},
+            "mine": mine, "loaded": {n: p.detach().clone() for n, p in other.module.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_save_leaving_out_frozen_parameters(tmp_path, stage):
+    from meshspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    got = run_distributed(_exclude_frozen, world_size=2, args=(str(tmp_path), stage))[0]
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")
+    frozen = {n for n in got["saved"] if ".mlp." in n}
+    assert frozen and not frozen & set(state)  # left out of the checkpoint
+    assert set(state) >= set(got["saved"]) - frozen
+    for name, value in got["loaded"].items():
+        expected = got["mine"][name] if name in frozen else got["saved"][name]
+        assert torch.equal(value, expected), name
