@@ -208,9 +208,11 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool, exclude_frozen: 
     ranges: dict[str, Any] = {}
     state = engine.optimizer.state
     skip = engine.checkpoint_skips()
-    if exclude_frozen:  # masters of parameters that do not require grad
-        skip |= {id(engine.strategy.master_of[id(p)]) for p in engine.module.parameters()
-                 if not p.requires_grad and id(p) in engine.strategy.master_of}
+    frozen: set[int] = set()
+    if exclude_frozen:  # masters of parameters that do not require grad: not in the checkpoint
+        frozen = {id(engine.strategy.master_of[id(p)]) for p in engine.module.parameters()
+                  if not p.requires_grad and id(p) in engine.strategy.master_of}
+        skip |= frozen
     params: dict[str, Any] = {}  # Note [a checkpoint of pipeline stages]
     for s in slices:
         # replicas over dp: the strategy's writer; replicas over tp: tp rank 0; a tied
@@ -249,7 +251,11 @@ def capture(engine, tag: str, client_state: Any, *, copy: bool, exclude_frozen: 
         tensors[name] = _take(t, copy)
     if rank == 0:
         client_json, client_tensors = encode_client_state(client_state)
-        snap.meta = global_meta(engine, tag, slices, tied_aliases(engine.module), buffers,
+        # frozen parameters left out are left out of the metadata too, aliases of them included
+        left_out = {s.name for s in slices if id(s.key) in frozen}
+        listed = [s for s in slices if s.name not in left_out]
+        aliases = {a: n for a, n in tied_aliases(engine.module).items() if n not in left_out}
+        snap.meta = global_meta(engine, tag, listed, aliases, buffers,
                                 client_json, list(client_tensors), tp_size=tp_layout(engine)[1])
         snap.client_tensors = client_tensors
     return snap

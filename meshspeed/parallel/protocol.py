@@ -48,8 +48,8 @@ from torch import nn
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.step import NormScope, StepGradients
 
-__all__ = ["Closeable", "ExternalParameters", "ForwardPart", "LocalGradients", "ParameterOwner",
-           "RankState", "StepCallback", "StepPart", "Strategy", "declares"]
+__all__ = ["Closeable", "ExternalParameters", "ForwardPart", "GatheredCache", "LocalGradients",
+           "ParameterOwner", "RankState", "StepCallback", "StepPart", "Strategy", "declares"]
 
 
 @runtime_checkable
@@ -149,6 +149,14 @@ class RankState(Protocol):
 
     def rank_state(self) -> dict[str, torch.Tensor]: ...
     def load_rank_state(self, state: dict[str, torch.Tensor], steps: int) -> None: ...
+
+
+@runtime_checkable
+class GatheredCache(Protocol):
+    """Keeps parameters gathered between passes that can be sharded again on request
+    (stage 3's units: DeepSpeed's `engine.empty_partition_cache()`)."""
+
+    def release_gathered(self) -> None: ...
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.experts import ExpertSpec
-from meshspeed.parallel.protocol import ExternalParameters, ParameterOwner, Strategy
+from meshspeed.parallel.protocol import ExternalParameters, GatheredCache, ParameterOwner, Strategy
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.step import StepGradients
@@ -30,7 +30,7 @@ from meshspeed.parallel.zero.flat import FlatUnit, publish_all
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units, split_experts
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import full_numel, gather_partitioned, is_partitioned
-from meshspeed.parallel.zero.lifecycle import ParamState
+from meshspeed.parallel.zero.lifecycle import LifecycleError, ParamState
 from meshspeed.parallel.zero.placement import DevicePlacement
 from meshspeed.parallel.zero.prefetch import Fetcher, Pass, attach_pre_backward
 from meshspeed.parallel.zero.stages import STAGES
@@ -59,7 +59,7 @@ _DS_STATUS = {ParamState.WHOLE: ZeroParamStatus.AVAILABLE, ParamState.GATHERING:
               ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE}
 
 
-class Zero(Strategy, ParameterOwner, ExternalParameters):
+class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
     def __init__(
         self,
         module: nn.Module,
@@ -317,6 +317,18 @@ class Zero(Strategy, ParameterOwner, ExternalParameters):
         self.placement.wait()
         publish_all(self.units)
         self.placement.published()
+
+    def release_gathered(self) -> None:
+        """Shard again every stage-3 unit a pass left whole (the last block of a training
+        forward, kept for its backward; the root's parameters). A backward still to come
+        gathers them again; nothing to do at stages 1-2."""
+        if self.fetcher is None:
+            return
+        running = [u.name for u in self.fetcher.units if u.in_use]
+        if running:
+            raise LifecycleError(f"empty_partition_cache() called inside the forward of unit {running[0]}; "
+                                 "call it between steps")
+        self.fetcher.release_all()
 
     # -- GatheredParameters ----------------------------------------------------------------
     def gather_for_user(self, params: list[nn.Parameter]) -> list[FlatUnit]:

@@ -10,14 +10,21 @@ mixin, and the pipelined twin is in runtime/pipe/engine.py.
 
 from __future__ import annotations
 
+import logging
+import os
+
 from meshspeed import comm
 from meshspeed.checkpoint import engine_api
+from meshspeed.checkpoint.paths import LATEST, META, list_tags, rank_file
 from meshspeed.compression.scheduler import compression_scheduler
 from meshspeed.data.loader import distributed_dataloader
 from meshspeed.engine.engine import MeshspeedEngine
+from meshspeed.parallel.protocol import GatheredCache, declares
 from meshspeed.process.distributed import get_local_rank
 
 __all__ = ["CallableInt", "DeepSpeedEngine", "DeepSpeedEngineAPI"]
+
+log = logging.getLogger("meshspeed")
 
 
 class CallableInt(int):
@@ -181,6 +188,68 @@ class DeepSpeedEngineAPI:
         return engine_api.save_checkpoint(self, save_dir, tag=tag, client_state=client_state,
                                           save_latest=save_latest, exclude_frozen=exclude_frozen_parameters)
 
+    # Note [a load with no latest file]
+    # DeepSpeed's `engine.load_checkpoint(dir)` with no tag and no `dir/latest` file logs a
+    # warning and returns (None, None) without loading anything, and training scripts rely
+    # on it: they create their checkpoint directory, call load_checkpoint(dir)
+    # unconditionally and start from scratch on the first run. meshspeed's own load raises a
+    # CheckpointError for a missing checkpoint (usually a wrong path). The DeepSpeed layer
+    # takes DeepSpeed's return where the run is plainly a first one: the directory exists
+    # and holds no complete checkpoint at all (rank 0 warns). A directory that does not
+    # exist, or one with complete checkpoints but no `latest` (saved with
+    # save_latest=False), is still an error that names the path and the tags found, since
+    # loading nothing there would silently restart a run that has checkpoints. With
+    # `checkpoint.auto_resume` a load without a tag returns (None, None) in every first-run
+    # case (checkpoint/resume.py).
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """DeepSpeed's load: as meshspeed's, except that an existing directory with no
+        checkpoint in it loads nothing and returns (None, None) (Note [a load with no latest
+        file])."""
+        if custom_load_fn is not None:
+            raise TypeError("load_checkpoint(custom_load_fn=...) is not supported by meshspeed: the "
+                            "checkpoint is read by meshspeed's loader; load your extra state from "
+                            "client_state, which load_checkpoint returns")
+        if tag is None and not self.config.checkpoint.auto_resume and self._first_run(load_dir):
+            return None, None
+        return engine_api.load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                                          load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_module_only=load_module_only)
+
+    def _first_run(self, load_dir) -> bool:
+        """Whether `load_dir` exists and holds no checkpoint (Note [a load with no latest
+        file]); rank 0 looks, after any save in flight, and tells every rank."""
+        engine_api.wait_for_pending(self)
+        empty = None
+        if comm.get_rank() == 0:
+            directory = os.fspath(load_dir)
+            empty = (os.path.isdir(directory) and not list_tags(directory)
+                     and not any(os.path.isfile(os.path.join(directory, n)) for n in (LATEST, META)))
+            if empty:
+                log.warning("%s holds no %s file and no checkpoint: nothing loaded (a first run); "
+                            "pass tag=... to load a given checkpoint", directory, LATEST)
+        return bool(comm.broadcast_object(empty, src=0)) if comm.get_world_size() > 1 else bool(empty)
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path, tag, expp_rank: int = 0) -> str:
+        """The file of checkpoint `tag` that holds this rank's optimizer state: in meshspeed's
+        layout, this rank's `rank-NNNNN.safetensors` (which also holds its fp32 masters);
+        `expp_rank` is accepted for DeepSpeed's signature (experts are in the same file)."""
+        del expp_rank
+        return os.path.join(os.fspath(checkpoints_path), str(tag), rank_file(self.global_rank))
+
+    def empty_partition_cache(self) -> None:
+        """Shard again the ZeRO stage-3 parameters a pass left gathered (the last block of a
+        training forward, kept for its backward); nothing to do at other stages."""
+        if declares(self.strategy, GatheredCache):
+            self.strategy.release_gathered()
+
+    @property
+    def sparse_tensor_module_names(self) -> set[str]:
+        """Modules whose gradients DeepSpeed reduces as sparse tensors: none, since meshspeed
+        reduces every gradient dense (`sparse_gradients` is accepted and has no effect)."""
+        return set()
 
 class DeepSpeedEngine(DeepSpeedEngineAPI, MeshspeedEngine):
     """What `deepspeed.initialize` returns for a model that is not a PipelineModule."""

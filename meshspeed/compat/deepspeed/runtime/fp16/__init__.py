@@ -1,1 +1,2 @@
-"""`deepspeed.runtime.fp16`: DeepSpeed's half-precision optimizer wrappers' package path."""
+"""`deepspeed.runtime.fp16`: DeepSpeed's mixed-precision optimizer wrappers' package (the
+loss scaler is meshspeed/optim/loss_scaler.py; Note [DeepSpeed's optimizer wrappers])."""
