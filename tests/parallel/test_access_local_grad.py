@@ -9,10 +9,11 @@ from meshspeed.testing import run_distributed
 
 
 def _local_grads(stage):
+    from meshspeed.utils import safe_get_full_grad, safe_get_local_grad
+
     from meshspeed import comm
     from meshspeed.models.gpt import GPT
     from meshspeed.testing.engines import TINY, small_engine
-    from meshspeed.utils import safe_get_full_grad, safe_get_local_grad
 
     torch.set_num_threads(1)
     engine = small_engine(stage)
