@@ -248,7 +248,11 @@ class MeshspeedEngine(nn.Module):
                         "rank (check_finite)", self.global_steps)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients are managed per step by the engine; kept for API compatibility."""
+        """As DeepSpeed's: drop the gradients accumulated since the last step that were not
+        reduced yet (stage 0 and ZeRO 1 before the boundary backward, e.g. inside
+        no_sync). A step's reduced gradients stay until step(), which clears them itself,
+        so calling this after step() (as Hugging Face's Trainer does) costs nothing."""
+        self.strategy.drop_unreduced()
 
     # -- reporting --------------------------------------------------------------------------
     def _maybe_print(self) -> None:

@@ -161,6 +161,12 @@ class DataParallel(Strategy, ParameterOwner, RankState, LocalGradients):
         self.tracker.flush()
         self._accumulated = True
 
+    def drop_unreduced(self) -> None:
+        if self._accumulated and not self._launched:
+            for bucket in self.buckets:
+                bucket.bind()
+            self._accumulated = False
+
     # -- step -----------------------------------------------------------------------------
     def _average(self) -> None:
         """Wait for this step's reductions and average them (once per step)."""

@@ -273,6 +273,13 @@ class Zero(Strategy, ParameterOwner, ExternalParameters):
         self.tracker.flush()
         self._settle_reductions()
         self._accumulated = True
+
+    def drop_unreduced(self) -> None:
+        held = [u for u in self.units if u.grads is not None and u.grad_shard is None]
+        if self._accumulated and held:  # stage 1 before the boundary's reduction
+            for unit in held:
+                unit.grads.bind()
+            self._accumulated = False
         if self.fetcher is not None:
             self.fetcher.finish(Pass.BACKWARD)
             self.fetcher.release_all()
