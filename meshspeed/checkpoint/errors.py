@@ -22,3 +22,14 @@ def describe_os_error(err: OSError, path: str, action: str) -> str:
         return f"cannot {action} {path}: permission denied ({err.strerror}); choose a writable directory"
     reason = err.strerror or str(err)
     return f"cannot {action} {path}: {reason} (errno {err.errno})"
+
+
+# Note [DeepSpeed's exception types] (meshspeed/engine/errors.py): DeepSpeed asserts that
+# the ranks agree on the tag and raises ValueError for a missing save_dir; these are
+# CheckpointErrors that its callers catch as those types.
+class TagMismatchError(CheckpointError, AssertionError):
+    """The ranks passed different tags to save_checkpoint (checkpoint.tag_validation "FAIL")."""
+
+
+class SaveDirError(CheckpointError, ValueError):
+    """save_checkpoint got no directory (None or an empty path)."""

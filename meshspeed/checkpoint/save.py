@@ -17,7 +17,7 @@ from typing import Any
 from meshspeed import comm
 from meshspeed.checkpoint import pending
 from meshspeed.checkpoint.agree import agree, everywhere, one_line, same_everywhere
-from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.errors import CheckpointError, SaveDirError, TagMismatchError
 from meshspeed.checkpoint.paths import check_tag, default_tag
 from meshspeed.checkpoint.snapshot import RankSnapshot, capture
 from meshspeed.checkpoint.writer import (
@@ -43,7 +43,7 @@ def _agree_on_tag(engine, tag: str) -> None:
     policy = str(engine.config.checkpoint.tag_validation).lower()
     msg = f"ranks disagree on the checkpoint tag: {tags}; pass the same tag on every rank"
     if policy == "fail":
-        raise CheckpointError(msg)
+        raise TagMismatchError(msg)
     if policy == "warn" and comm.get_rank() == 0:
         log.warning("%s (saving under rank 0's tag %r)", msg, tags[0])
 
@@ -133,6 +133,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_l
 
     Collective. Returns True, as DeepSpeed does. With `checkpoint.async_save` the files are
     written in the background; the next save, load, or exit waits for them."""
+    if save_dir is None or os.fspath(save_dir) == "":
+        raise SaveDirError(f"save_checkpoint needs a directory to save under, got save_dir={save_dir!r}; "
+                           "pass a path (it is created if missing)")
     pending.wait_for_pending(engine)
     save_dir = os.fspath(save_dir)
     same_everywhere("checkpoint save directory", os.path.abspath(save_dir))

@@ -59,7 +59,6 @@ ACCEPTED_UNUSED: frozenset[str] = frozenset(
         "zero_optimization.cpu_offload_use_pin_memory",
         "zero_optimization.elastic_checkpoint",
         "zero_optimization.enable_sanity_checks",
-        "zero_optimization.ignore_unused_parameters",
         "zero_optimization.leaf_module",
         "zero_optimization.legacy_stage1",
         "zero_optimization.load_from_fp32_weights",

@@ -66,6 +66,9 @@ class ZeroConfig(StrictModel):
     zero_hpz_partition_size: Annotated[int, BeforeValidator(whole_number)] = 1
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
+    # false: a step whose accumulation window left a trainable parameter without a
+    # gradient raises, naming it (meshspeed/engine/unused.py), at every stage
+    ignore_unused_parameters: bool = True
 
     @model_validator(mode="before")
     @classmethod

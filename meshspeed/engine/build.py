@@ -41,6 +41,7 @@ from meshspeed.engine.layout import (
 )
 from meshspeed.engine.parts import Composed
 from meshspeed.engine.pipeline import PipelineEngine
+from meshspeed.engine.unused import UnusedParameterCheck
 from meshspeed.moe.axis import apply_ep
 from meshspeed.moe.utils import expert_layers
 from meshspeed.monitor.autotune_hooks import start_probe
@@ -121,10 +122,13 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
             dp_size=mesh.size("dp"), seed=dataloader_seed, collate_fn=collate_fn,
             shuffle=pipeline is None,  # DeepSpeed's PipelineEngine reads training_data in order
         )
+    step_parts = [tp] + ([pipeline] if pipeline is not None else [])
+    if not cfg.zero_optimization.ignore_unused_parameters:
+        step_parts.append(UnusedParameterCheck(module))
     parts = Composed(
         module=module, config=cfg, mesh=mesh, strategy=strategy, optimizer=opt, scaler=build_scaler(cfg.fp16),
         device=device, lr_scheduler=scheduler, dataloader=loader, comm_logger=_comm_logger(cfg),
-        forward=context, step_parts=[tp] + ([pipeline] if pipeline is not None else []),
+        forward=context, step_parts=step_parts,
         callbacks=[compression] if compression is not None else [])
     engine = engine_types[pipeline is not None](parts)
     if probe is not None:

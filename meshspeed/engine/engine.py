@@ -20,6 +20,7 @@ from meshspeed import comm
 from meshspeed.checkpoint import engine_api
 from meshspeed.checkpoint.pending import wait_for_pending
 from meshspeed.engine.agreement import STEP_COUNTERS, agree
+from meshspeed.engine.errors import NoSyncError
 from meshspeed.engine.observe import StepObserver
 from meshspeed.engine.parts import Composed
 from meshspeed.offload.tiers import add_tiers, resident_state_tensors
@@ -106,12 +107,13 @@ class MeshspeedEngine(nn.Module):
         """Backward passes inside accumulate gradients locally without reducing them; the
         first backward after the block reduces everything. Not with ZeRO stage 2 or 3
         (they shard gradients as they are produced), and step() inside is an error."""
-        if self.config.zero_stage >= 2:
-            raise RuntimeError(f"engine.no_sync() cannot be used with ZeRO stage {self.config.zero_stage}: "
-                               "stages 2 and 3 reduce-scatter each gradient as it is produced; use "
-                               "gradient_accumulation_steps instead, or ZeRO stage 0 or 1")
+        if self.config.zero_stage >= 2:  # Note [DeepSpeed's exception types] in errors.py
+            raise NoSyncError(f"no_sync context manager is incompatible with ZeRO stage {self.config.zero_stage}: "
+                              "stages 2 and 3 reduce-scatter each gradient as it is produced; use "
+                              "gradient_accumulation_steps instead, or ZeRO stage 0 or 1")
         if self._no_sync:
-            raise RuntimeError("engine.no_sync() blocks cannot be nested")
+            raise NoSyncError("no_sync context manager reentry is unsupported: engine.no_sync() blocks "
+                              "cannot be nested; one block around every backward that should not reduce")
         self._no_sync = True
         try:
             yield
@@ -141,8 +143,11 @@ class MeshspeedEngine(nn.Module):
                 return self.module(*inputs, **kwargs)
             return self._forward.run(self.module, inputs, kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Backpropagate `loss`, averaged over accumulation steps and scaled for fp16."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss`, averaged over accumulation steps and scaled for fp16.
+
+        Returns the loss as averaged: `loss / gradient_accumulation_steps` (`loss` itself
+        with `scale_wrt_gas=False`), never multiplied by the fp16 loss scale; as DeepSpeed."""
         if self._backward_done and self._boundary_override is None and not self._no_sync:
             raise RuntimeError(
                 "engine.backward() called twice without engine.step() in between; call "
@@ -158,11 +163,10 @@ class MeshspeedEngine(nn.Module):
             # set_gradient_accumulation_boundary right before backward): the backward decides
             self._micro_reduces = self._reduces_now()
             self._begin_micro_step(self._micro_reduces)
-        scaled = loss
+        averaged = loss
         if scale_wrt_gas and self.config.gradient_accumulation_steps > 1:
-            scaled = scaled / self.config.gradient_accumulation_steps
-        if self.loss_scaler.scale != 1.0:
-            scaled = scaled * self.loss_scaler.scale
+            averaged = loss / self.config.gradient_accumulation_steps
+        scaled = averaged * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else averaged
         with self._observer.phase("backward"):
             scaled.backward(retain_graph=retain_graph)
             self.strategy.finish_backward()
@@ -170,15 +174,16 @@ class MeshspeedEngine(nn.Module):
         self._backward_done = self._backward_done or not self._no_sync  # no_sync's are carried on
         self._micro_started = False
         self._last_loss = loss.detach()
-        return loss
+        return averaged
 
     def step(self) -> None:
         """Apply the optimizer at the accumulation boundary; a no-op on other micro-steps."""
         if self.config.checkpoint.async_save:  # a failed background save surfaces here
             engine_api.raise_pending_errors(self)
         if self._no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the block, run the "
-                               "last backward outside it (that one reduces), then step()")
+            raise NoSyncError("It is illegal to call Engine.step() inside no_sync context manager: "
+                              "engine.step() inside engine.no_sync(); leave the block, run the last "
+                              "backward outside it (that one reduces), then step()")
         self._step_applied = False
         if not self._backward_done:
             raise RuntimeError(
@@ -243,7 +248,11 @@ class MeshspeedEngine(nn.Module):
                         "rank (check_finite)", self.global_steps)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients are managed per step by the engine; kept for API compatibility."""
+        """As DeepSpeed's: drop the gradients accumulated since the last step that were not
+        reduced yet (stage 0 and ZeRO 1 before the boundary backward, e.g. inside
+        no_sync). A step's reduced gradients stay until step(), which clears them itself,
+        so calling this after step() (as Hugging Face's Trainer does) costs nothing."""
+        self.strategy.drop_unreduced()
 
     # -- reporting --------------------------------------------------------------------------
     def _maybe_print(self) -> None:

@@ -6,16 +6,19 @@ What each reads, for a parameter of a model wrapped by `meshspeed.initialize`:
   fp32 training below stage 1);
 - grad: the gradient this step will apply, reduced and averaged over the data-parallel
   ranks, in fp32; available from the backward of the last micro-step of an accumulation
-  window (ZeRO 2-3: of any micro-step, accumulated so far) until `engine.step()`; None
-  otherwise, and for a frozen parameter;
+  window (ZeRO 2-3: of any micro-step, accumulated so far) until `engine.step()`. Stage 0
+  and ZeRO 1 after an earlier backward of the window (inside `engine.no_sync()`, or a
+  micro-step before the boundary): this rank's own accumulated gradient, whole and
+  unreduced (Note [local gradients before the reduction]). None before the window's
+  first backward, after the step, and for a frozen parameter;
 - optimizer state: `optimizer.state[master][key]` ("exp_avg", "exp_avg_sq" for Adam,
   "momentum_buffer" for SGD); None before the optimizer's first step.
 
 `full` values are whole (the parameter's shape): each rank contributes its own range and
 one all-reduce puts them together, so under ZeRO every rank of the data-parallel group
 must call them together (as in DeepSpeed). `local` values are this rank's range of the
-flattened parameter (1-D; the whole parameter at stage 0), with no communication; stage
-3's range is the one `param.ds_tensor` holds. Values returned are copies. The `set`
+flattened parameter (1-D; the whole parameter at stage 0, and a gradient read before the
+reduction), with no communication; stage 3's range is the one `param.ds_tensor` holds. Values returned are copies. The `set`
 variants write the rank's range of the given full value (every rank passes the same
 value) and let the parameters follow: a collective under ZeRO 1-3.
 
@@ -57,10 +60,18 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     access.publish()
 
 
+# Note [local gradients before the reduction]
+# Stage 0 and ZeRO 1 reduce once per step, at the boundary backward; until then each rank
+# holds the whole gradient of its own micro-batches. DeepSpeed's helpers return that
+# `param.grad` there, and scripts read it inside `engine.no_sync()` (e.g. to compare two
+# passes): so do these, without communicating (the ranks' values differ, and are not
+# averaged). Stages 2-3 hold no such gradient: they read the shard reduced so far.
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     access = _access(param)
     if access is None or access.grad is None:
         return None
+    if access.local_grad:
+        return access.grad.float().clone().view(access.shape)
     return _assemble(access, access.grad)
 
 

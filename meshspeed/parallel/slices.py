@@ -82,3 +82,6 @@ class ParamAccess:
     group: Any  # the ranks holding the ranges, when sharded (None: the default group)
     publish: Callable[[], None]  # after writing `master`: the parameters follow (a
     #                              collective over `group` when sharded)
+    # `grad` is this rank's whole, unreduced gradient (flat, the parameter's numel), read
+    # before the step's reduction started (Note [local gradients before the reduction])
+    local_grad: bool = False

@@ -39,6 +39,12 @@ LAUNCHER_NAMES = {
     "none": "no launcher",
 }
 
+class ProcessGroupMissingError(RuntimeError, AssertionError):
+    """`dist_init_required=False` said the caller made the process group, and none exists.
+    An AssertionError too, as DeepSpeed's (Note [DeepSpeed's exception types] in
+    meshspeed/engine/errors.py)."""
+
+
 # How the current process group was started; read only by describe_world/get_local_rank.
 _launch_env: LaunchEnv | None = None
 
@@ -162,8 +168,9 @@ def init_distributed(
 
     Accepted for DeepSpeed compatibility: ``distributed_port`` (the port used when
     MASTER_PORT is unset and there is more than one process; a lone process takes a free
-    port), ``dist_init_required=False`` (do
-    nothing), ``auto_mpi_discovery`` and ``config`` (ignored: MPI ranks are read from the
+    port), ``dist_init_required=False`` (the caller made the process group: adopt it, and
+    raise ``ProcessGroupMissingError`` when there is none, as DeepSpeed does),
+    ``auto_mpi_discovery`` and ``config`` (ignored: MPI ranks are read from the
     environment, not from mpi4py).
     """
     del auto_mpi_discovery, config
@@ -171,7 +178,10 @@ def init_distributed(
         adopt_process_group()  # Note [a process group the caller made]
         return
     if dist_init_required is False:
-        return
+        raise ProcessGroupMissingError(
+            "dist_init_required=False but torch.distributed has no process group: create it first "
+            "(torch.distributed.init_process_group) or leave dist_init_required unset so that "
+            "meshspeed creates it")
     if backend and dist_backend and backend != dist_backend:
         raise ValueError(f"backend {backend!r} and dist_backend {dist_backend!r} disagree")
     backend = backend or dist_backend

@@ -109,6 +109,7 @@ class DataParallel(Strategy, ParameterOwner, RankState, LocalGradients):
         }
         self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._launched = False  # this step's reductions were started
+        self._accumulated = False  # a backward ran since the last step
         self._averaged = False  # ... and have landed and been averaged
         self._leave_local: Callable[[], bool] | None = None  # Note [gradients left local]
         self._local = False  # this step's gradients were left local
@@ -158,6 +159,13 @@ class DataParallel(Strategy, ParameterOwner, RankState, LocalGradients):
 
     def finish_backward(self) -> None:
         self.tracker.flush()
+        self._accumulated = True
+
+    def drop_unreduced(self) -> None:
+        if self._accumulated and not self._launched:
+            for bucket in self.buckets:
+                bucket.bind()
+            self._accumulated = False
 
     # -- step -----------------------------------------------------------------------------
     def _average(self) -> None:
@@ -222,7 +230,7 @@ class DataParallel(Strategy, ParameterOwner, RankState, LocalGradients):
                 self.master_of[id(p)].grad = None
         for b in self.buckets:
             b.bind()
-        self._launched = self._averaged = self._local = False
+        self._launched = self._averaged = self._local = self._accumulated = False
         self._steps += 1
 
     # -- rank-local state (Note [rank-local state] in checkpoint/load.py) ------------------------
@@ -251,17 +259,20 @@ class DataParallel(Strategy, ParameterOwner, RankState, LocalGradients):
 
     # -- user access (meshspeed/parallel/access.py) -------------------------------------------
     def param_access(self, param: nn.Parameter) -> ParamAccess:
-        """Every rank holds the whole parameter; its gradient is known once this step's
-        reductions were started (the backward of the boundary micro-step)."""
+        """Every rank holds the whole parameter; its gradient is the reduced one once this
+        step's reductions were started (the backward of the boundary micro-step), and this
+        rank's own before that (Note [local gradients before the reduction] in access.py)."""
         master = self.master_of[id(param)]
-        grad = None
+        grad, local = None, False
         if self._launched and id(param) in self.bucket_of:
             self._average()
             bucket, i = self.bucket_of[id(param)]
             grad = bucket.view(self._reduced(bucket), i).reshape(-1)
+        elif self._accumulated and param.grad is not None:
+            grad, local = param.grad.reshape(-1), True
         publish = (lambda: param.data.copy_(master.detach())) if self.mixed else (lambda: None)
         return ParamAccess(param.shape, 0, param.numel(), master.detach().view(-1), master, grad, False,
-                           self._group_of(param), publish)
+                           self._group_of(param), publish, local)
 
     # -- checkpoint contract ----------------------------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:

@@ -127,6 +127,7 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
         self.index_in_unit = {id(p): i for unit in self.units for i, p in enumerate(unit.params)}
         registry.register(module.parameters(), self)
         self.boundary = True
+        self._accumulated = False  # a backward ran since the last step
         self._pending: list = []  # (unit, finish) of reduce-scatters in flight
         self.fetcher = None
         self.root_index: int | None = None
@@ -271,6 +272,14 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
     def finish_backward(self) -> None:
         self.tracker.flush()
         self._settle_reductions()
+        self._accumulated = True
+
+    def drop_unreduced(self) -> None:
+        held = [u for u in self.units if u.grads is not None and u.grad_shard is None]
+        if self._accumulated and held:  # stage 1 before the boundary's reduction
+            for unit in held:
+                unit.grads.bind()
+            self._accumulated = False
         if self.fetcher is not None:
             self.fetcher.finish(Pass.BACKWARD)
             self.fetcher.release_all()
@@ -289,6 +298,7 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
 
     def finish_step(self) -> None:
         self.placement.finish_step(self)
+        self._accumulated = False
 
     @property
     def shards_params(self) -> bool:
@@ -361,12 +371,16 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
         self.placement.wait()  # a delayed update still running would change the masters
         unit, i = self.unit_of[id(param)], self.index_in_unit[id(param)]
         s, master = unit.spans[i], self.master_of[id(param)]
-        grad = None
+        grad, local = None, False
         files = self.placement.deferred_grads()
         if files is not None and param.requires_grad and files.has_landed(unit):
             grad = files.read(unit, s.offset, s.numel)  # a copy read from its file
         elif unit.grad_shard is not None and param.requires_grad:
             grad = unit.grad_shard[s.offset : s.offset + s.numel]
+        elif unit.grads is not None and self._accumulated and param.grad is not None:
+            # stage 1 before the boundary's reduction: the whole local gradient (Note [local
+            # gradients before the reduction] in meshspeed/parallel/access.py)
+            grad, local = param.grad.reshape(-1), True
         values, publish = master.detach(), unit.refresh_from_masters
         swap = self.placement.swapped_master(master)
         if swap is not None:  # a copy read from the file; publish writes it back first
@@ -377,7 +391,7 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
                 unit.refresh_from_masters()
 
         return ParamAccess(torch.Size(unit.shapes[i]), s.start, s.start + s.numel, values, master,
-                           grad, True, unit.groups.shard, publish)
+                           grad, True, unit.groups.shard, publish, local)
 
     def check_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """A use registered after initialize must need no regrouping (external.py)."""
