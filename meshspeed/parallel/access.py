@@ -39,7 +39,8 @@ from meshspeed.parallel.slices import ParamAccess
 __all__ = [
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-    "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
+    "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
 ]
 
 
@@ -80,6 +81,50 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
     if access is None or access.grad is None:
         return None
     return access.grad.float().clone()
+
+
+@torch.no_grad()
+def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace the gradient the next `engine.step()` applies (every rank passes the same
+    whole value; read before the reduction, the rank's own whole gradient is replaced)."""
+    access = _access(param, writing=True)
+    grad = _writable_grad(access, "safe_set_full_grad")
+    flat = _whole(access, value) if access.local_grad else _own_range(access, value)
+    grad.copy_(flat.to(grad.dtype))
+
+
+@torch.no_grad()
+def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace this rank's range of the gradient (the shape `safe_get_local_grad` returns)."""
+    access = _access(param, writing=True)
+    grad = _writable_grad(access, "safe_set_local_grad")
+    grad.copy_(_local(value, grad.numel(), "safe_set_local_grad").to(grad.dtype))
+
+
+@torch.no_grad()
+def safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace this rank's range of the fp32 masters; the parameters follow (every rank of
+    the group calls it, as for the full setter)."""
+    access = _access(param, writing=True)
+    access.master.copy_(_local(value, access.end - access.start, "safe_set_local_fp32_param")
+                        .to(access.master.dtype).view_as(access.master))
+    access.publish()
+
+
+@torch.no_grad()
+def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Replace this rank's range of an optimizer state tensor ("exp_avg", ...)."""
+    access = _access(param, writing=True)
+    optimizer, entry = _entry(param, access)
+    if entry is None:
+        raise ValueError(f"safe_set_local_optimizer_state: the optimizer holds no state for this parameter "
+                         f"yet ({optim_state_key!r} is created by its first step)")
+    state = _pick(entry, optim_state_key)
+    if state.dim() == 0:
+        state.copy_(torch.as_tensor(value, dtype=state.dtype))
+    else:
+        state.copy_(_local(value, state.numel(), "safe_set_local_optimizer_state").to(state.dtype).view_as(state))
+    optimizer.state[access.key] = entry
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
@@ -139,6 +184,31 @@ def _own_range(access: ParamAccess, value: torch.Tensor) -> torch.Tensor:
     if value.numel() != access.shape.numel():
         raise ValueError(f"expected a value of shape {tuple(access.shape)}, got {tuple(value.shape)}")
     return value.reshape(-1)[access.start : access.end].to(device=access.master.device, dtype=torch.float32)
+
+
+def _whole(access: ParamAccess, value: torch.Tensor) -> torch.Tensor:
+    value = torch.as_tensor(value)
+    if value.numel() != access.shape.numel():
+        raise ValueError(f"expected a value of shape {tuple(access.shape)}, got {tuple(value.shape)}")
+    return value.reshape(-1)
+
+
+def _local(value: torch.Tensor, numel: int, caller: str) -> torch.Tensor:
+    value = torch.as_tensor(value).reshape(-1)
+    if value.numel() != numel:
+        raise ValueError(f"{caller}: this rank's range has {numel} elements, the value has {value.numel()} "
+                         "(read the range's shape with the matching safe_get_local_* first)")
+    return value
+
+
+def _writable_grad(access: ParamAccess, caller: str) -> torch.Tensor:
+    if access.grad is None:
+        raise ValueError(f"{caller}: this parameter has no gradient now; write it after backward and "
+                         "before engine.step() (a frozen parameter never has one)")
+    if access.grad_is_copy:
+        raise ValueError(f"{caller}: this parameter's gradient lives in an NVMe swap file at this point and "
+                         "cannot be written in place; write it before the accumulation boundary's backward ends")
+    return access.grad
 
 
 def _state(param: nn.Parameter, access: ParamAccess, key: str) -> torch.Tensor | None:

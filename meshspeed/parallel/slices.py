@@ -85,3 +85,5 @@ class ParamAccess:
     # `grad` is this rank's whole, unreduced gradient (flat, the parameter's numel), read
     # before the step's reduction started (Note [local gradients before the reduction])
     local_grad: bool = False
+    # `grad` is a copy (read from a swap file), so writing it changes nothing: setters refuse
+    grad_is_copy: bool = False

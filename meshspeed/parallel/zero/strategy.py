@@ -371,10 +371,10 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
         self.placement.wait()  # a delayed update still running would change the masters
         unit, i = self.unit_of[id(param)], self.index_in_unit[id(param)]
         s, master = unit.spans[i], self.master_of[id(param)]
-        grad, local = None, False
+        grad, local, copied = None, False, False
         files = self.placement.deferred_grads()
         if files is not None and param.requires_grad and files.has_landed(unit):
-            grad = files.read(unit, s.offset, s.numel)  # a copy read from its file
+            grad, copied = files.read(unit, s.offset, s.numel), True  # a copy read from its file
         elif unit.grad_shard is not None and param.requires_grad:
             grad = unit.grad_shard[s.offset : s.offset + s.numel]
         elif unit.grads is not None and self._accumulated and param.grad is not None:
@@ -391,7 +391,7 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
                 unit.refresh_from_masters()
 
         return ParamAccess(torch.Size(unit.shapes[i]), s.start, s.start + s.numel, values, master,
-                           grad, True, unit.groups.shard, publish, local)
+                           grad, True, unit.groups.shard, publish, local, copied)
 
     def check_external(self, module: nn.Module, param: nn.Parameter) -> None:
         """A use registered after initialize must need no regrouping (external.py)."""
