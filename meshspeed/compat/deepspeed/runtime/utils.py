@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import gc
 import random
+from typing import Any
 
 import numpy as np
 import torch
 
 from meshspeed import comm
+from meshspeed.compat.deepspeed.runtime._grad_norm import (
+    clip_grad_norm_,
+    get_global_norm,
+    is_model_parallel_parameter,
+)
 from meshspeed.process.accelerator import get_accelerator
 
-__all__ = ["see_memory_usage", "set_random_seed"]
+__all__ = ["call_to_str", "clip_grad_norm_", "get_global_norm", "is_model_parallel_parameter",
+           "see_memory_usage", "set_random_seed"]
 
 _GIB = 2**30
 
@@ -45,3 +52,10 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     used = total - available
     print(f"CPU Virtual Memory:  used = {used / _GIB:.2f} GB, percent = {100 * used / total:.1f}%")
     acc.reset_peak_memory_stats()
+
+
+def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+    """How a call of `base` with these arguments reads: `call_to_str("f", 1, k="v")` is
+    `"f(1, k='v')"` (arguments as repr, keywords after positionals)."""
+    parts = [repr(a) for a in args] + [f"{key}={value!r}" for key, value in kwargs.items()]
+    return f"{base}({', '.join(parts)})"
