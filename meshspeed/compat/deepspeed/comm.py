@@ -128,7 +128,7 @@ def broadcast_object_list(object_list: list[Any], src: int, group: Any = None, d
     the objects travel on the group's own device."""
     del device
     if not isinstance(object_list, list):
-        raise ValueError(f"broadcast_object_list(object_list, src): object_list must be a list, got "
+        raise TypeError(f"broadcast_object_list(object_list, src): object_list must be a list, got "
                          f"{_describe(object_list)}")
     group_src = src if group is None else dist.get_group_rank(group, src)
     object_list[:] = _comm.broadcast_object(list(object_list), group_src, group=group)

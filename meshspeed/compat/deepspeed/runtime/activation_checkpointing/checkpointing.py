@@ -29,7 +29,11 @@ from types import ModuleType
 from typing import Any
 
 from meshspeed.parallel import activation_setup as _setup
-from meshspeed.parallel.activation_checkpoint import checkpoint, current_policy, non_reentrant_checkpoint
+from meshspeed.parallel.activation_checkpoint import (
+    checkpoint,
+    current_policy,
+    non_reentrant_checkpoint,
+)
 from meshspeed.parallel.activation_setup import (
     CheckpointingRuleError,
     configure,
