@@ -7,7 +7,7 @@ number, must agree with it. `partition` and `seed_layers` are the config spellin
 PipelineModule's own arguments and, as in DeepSpeed, the module's arguments are what
 count. As in DeepSpeed's engine, `activation_checkpoint_interval` above 0 replaces the
 module's, and `use_reentrant: false` checkpoints the pipeline's layers with the
-non-reentrant checkpoint (meshspeed/parallel/non_reentrant.py) instead of the module's
+non-reentrant checkpoint (meshspeed/parallel/activation_checkpoint.py) instead of the module's
 function (applied at initialize, meshspeed/parallel/pipeline/axis.py).
 """
 

@@ -54,6 +54,20 @@ A kept input on an accelerator is copied to host memory in forward (a blocking c
 and back to its device in backward. Inputs in host memory already, everything on a
 CPU-only machine, are kept as they are: there the move is no copy at all, and the
 device-to-host path runs only on a machine with an accelerator.
+
+Note [non_reentrant_checkpoint]
+DeepSpeed's second entry point, for blocks that need `torch.autograd.grad` through them
+or whose parameters must get gradients without a Function in between. It is torch's
+non-reentrant checkpoint (`torch.utils.checkpoint.checkpoint(use_reentrant=False)`):
+saved tensors are dropped in forward and recomputed when backward first unpacks one, and
+the outputs are exactly what `function` returns (non-tensors, lists and `requires_grad`
+as without checkpointing). torch records the host and device generators and autocast;
+the `context_fn` adds the tracker's named states (Note [RNG state at the recompute]) and
+the synchronize/profile boundaries. What it does not do is partition_activations or
+cpu_checkpointing: torch's implementation holds the block's arguments by reference until
+backward, so there is no copy to slice or move. With either setting on it is an error
+(NonReentrantCheckpointError), not a silent full-size copy on the device: `checkpoint` (and
+`"pipeline": {"use_reentrant": true}`) is the entry point that partitions and offloads.
 """
 
 from __future__ import annotations
@@ -67,12 +81,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from meshspeed import comm
 from meshspeed.parallel import rng_tracker
 from meshspeed.process.accelerator import get_accelerator
 
 log = logging.getLogger("meshspeed")
+
+
+class NonReentrantCheckpointError(ValueError):
+    """The configured activation checkpointing needs the reentrant checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,10 @@ class CheckpointPolicy:
     def partitions(self, t: torch.Tensor) -> bool:
         """Whether `t` is kept as a slice (Note [what partition_activations slices])."""
         return self.partition and self.size > 1 and t.is_floating_point() and t.numel() > 0
+
+    def partitions_any(self) -> bool:
+        """Whether any input would be kept as a slice."""
+        return self.partition and self.size > 1
 
 
 _current = [CheckpointPolicy()]  # set by activation_setup.configure(); one per process
@@ -129,6 +152,54 @@ def checkpoint_with(policy: CheckpointPolicy, function: Callable, *args: Any, **
     layout: list[Any] = []  # filled by forward: where the non-tensor outputs go
     tensors = _Recompute.apply(function, policy, layout, anchor, *args)
     return _merge(layout, tensors)
+
+
+def non_reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)` with its activations recomputed in backward, through
+    torch's non-reentrant checkpoint (Note [non_reentrant_checkpoint]): returns exactly what
+    `function` returns, and `torch.autograd.grad` works through it. Under `torch.no_grad()`
+    this is a plain call."""
+    if not callable(function):
+        raise TypeError(f"non_reentrant_checkpoint(function, *args): function must be callable, got "
+                        f"{type(function).__name__}; pass the block (module or function) first")
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    policy = current_policy()
+    if policy.partitions_any() or policy.cpu:
+        setting = "cpu_checkpointing" if policy.cpu else "partition_activations"
+        raise NonReentrantCheckpointError(
+            f"activation_checkpointing.{setting} needs the reentrant checkpoint, which keeps the inputs it "
+            "slices or offloads: use deepspeed.checkpointing.checkpoint (a pipeline: \"pipeline\": "
+            f"{{\"use_reentrant\": true}}) or turn {setting} off (Note [non_reentrant_checkpoint])")
+    label = _label(function)
+    with _boundary(policy, label, "forward"):
+        return torch.utils.checkpoint.checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=True,
+            context_fn=lambda: _recompute_contexts(policy, label), **kwargs)
+
+
+def _recompute_contexts(policy: CheckpointPolicy, label: str) -> tuple[Any, Any]:
+    """torch's context_fn: the forward context records the tracker's named states, the
+    recompute context starts from them (and puts back the states of the moment after)."""
+    tracker = rng_tracker.get_cuda_rng_tracker()
+    recorded: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        recorded.update(tracker.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        now = tracker.get_states()
+        tracker.set_states(recorded)
+        try:
+            with _boundary(policy, label, "recompute"):
+                yield
+        finally:
+            tracker.set_states(now)
+
+    return forward(), recompute()
 
 
 class _Keywords:

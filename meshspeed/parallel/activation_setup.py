@@ -31,6 +31,12 @@ refuses contiguous without partition_activations or number_checkpoints, as DeepS
 does) but change nothing: every kept slice of one block has the same size, so PyTorch's
 caching allocator hands the freed block of one step to the same slice in the next; and
 a CPU run has no device memory to defragment. `meshspeed.config.no_effect` reports them.
+
+Note [the rule errors are assertions too]
+DeepSpeed states the two contiguous rules as `assert`s, so scripts and tests written for
+it catch AssertionError; meshspeed's error for them, CheckpointingRuleError, is a
+ConfigError (a ValueError, like every config error here) and an AssertionError, so
+either `except` catches it.
 """
 
 from __future__ import annotations
@@ -61,12 +67,19 @@ _ARGUMENTS = {
 }
 
 
+class CheckpointingRuleError(ConfigError, AssertionError):
+    """A combination of activation-checkpointing settings DeepSpeed refuses (Note [the rule
+    errors are assertions too])."""
+
+
 class _Setting:
-    """What the last configure left: where it came from, the block and the tp group."""
+    """What the last configure left: where it came from, the block, the tp group and the
+    mpu object it came from (None when given none, or a Topology)."""
 
     source: str | None = None  # None: never configured; "configure" or "config"
     block = ActivationCheckpointingConfig()
     group: Any = None
+    mpu: Any = None
 
 
 _setting = _Setting()
@@ -87,17 +100,56 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
         if value is not None:
             values[_ARGUMENTS[name]] = _checked_argument(name, value)
     block = ActivationCheckpointingConfig.checked(values, prefix=_BLOCK)
-    if block.contiguous_memory_optimization and not block.partition_activations:
-        raise ConfigError(f"{_BLOCK}.contiguous_memory_optimization needs partition_activations "
-                          "(DeepSpeed's rule); set partition_activations=True or drop contiguous")
-    if block.contiguous_memory_optimization and block.number_checkpoints is None:
-        raise ConfigError(f"{_BLOCK}.contiguous_memory_optimization needs number_checkpoints "
-                          "(DeepSpeed's rule); pass num_checkpoints=<checkpoints per step>")
+    _check_rules(block)
     group = _setting.group if mpu_ is None else tp_group_of(mpu_)
+    if mpu_ is not None:
+        _setting.mpu = mpu_
     _apply(block, group, source="configure")
     if block.contiguous_memory_optimization and _rank() == 0:
         log.info("%s.contiguous_memory_optimization has no effect: %s", _BLOCK,
                  NO_EFFECT[f"{_BLOCK}.contiguous_memory_optimization"])
+
+
+def _check_rules(block: ActivationCheckpointingConfig) -> None:
+    if block.contiguous_memory_optimization and not block.partition_activations:
+        raise CheckpointingRuleError(f"{_BLOCK}.contiguous_memory_optimization needs partition_activations "
+                                     "(DeepSpeed's rule); set partition_activations=True or drop contiguous")
+    if block.contiguous_memory_optimization and block.number_checkpoints is None:
+        raise CheckpointingRuleError(f"{_BLOCK}.contiguous_memory_optimization needs number_checkpoints, the "
+                                     "number of layers checkpointed per step (DeepSpeed's rule); pass "
+                                     "num_checkpoints=<checkpoints per step>")
+
+
+def current_block() -> ActivationCheckpointingConfig:
+    """The settings in force, as a config block (the defaults before any configure)."""
+    return _setting.block
+
+
+def current_mpu() -> Any:
+    """The mpu (or Topology) the last configure that passed one was given; None if none."""
+    return _setting.mpu
+
+
+def update(configured: bool | None = None, mpu: Any = None, clear_mpu: bool = False, **fields: Any) -> None:
+    """Change some settings and keep the others: `fields` are the config block's keys
+    (`partition_activations=True`, `number_checkpoints=None`, ...); `mpu` replaces the
+    model-parallel group (`clear_mpu` drops it); `configured=False` goes back to never
+    configured (the defaults stay with what `fields` gives). For DeepSpeed scripts that
+    assign the checkpointing module's globals."""
+    unknown = sorted(set(fields) - set(ActivationCheckpointingConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"{_BLOCK}: unknown key(s) {', '.join(unknown)}; the keys are "
+                          f"{', '.join(sorted(ActivationCheckpointingConfig.model_fields))}")
+    block = ActivationCheckpointingConfig.checked({**_setting.block.model_dump(), **fields}, prefix=_BLOCK)
+    group = _setting.group
+    if clear_mpu:
+        group, _setting.mpu = None, None
+    elif mpu is not None:
+        group, _setting.mpu = tp_group_of(mpu), mpu
+    source = _setting.source or "configure"
+    if configured is False:
+        source = None
+    _apply(block, group, source=source, quiet=True)
 
 
 def configure_from_config(cfg: MeshspeedConfig, topology: Any) -> bool:
@@ -164,13 +216,13 @@ def tp_group_of(mpu: Any) -> Any:
                     "Topology such as engine.mesh); pass one of those, or None for no model parallelism")
 
 
-def _apply(block: ActivationCheckpointingConfig, group: Any, source: str) -> None:
+def _apply(block: ActivationCheckpointingConfig, group: Any, source: str | None, quiet: bool = False) -> None:
     rank, size = (comm.get_rank(group), comm.get_world_size(group)) if group is not None else (0, 1)
     _setting.source, _setting.block, _setting.group = source, block, group
     set_policy(CheckpointPolicy(partition=block.partition_activations, cpu=block.cpu_checkpointing,
                                 synchronize=block.synchronize_checkpoint_boundary, profile=block.profile,
                                 group=group, rank=rank, size=size))
-    if _rank() == 0:
+    if not quiet and _rank() == 0:
         log.info("activation checkpointing (%s): partition_activations=%s (tp size %d), "
                  "cpu_checkpointing=%s, synchronize=%s, profile=%s", source, block.partition_activations,
                  size, block.cpu_checkpointing, block.synchronize_checkpoint_boundary, block.profile)
@@ -211,4 +263,5 @@ def _rank() -> int:
 def _clear() -> None:
     """Back to never configured (for tests)."""
     _setting.source, _setting.block, _setting.group = None, ActivationCheckpointingConfig(), None
+    _setting.mpu = None
     set_policy(CheckpointPolicy())

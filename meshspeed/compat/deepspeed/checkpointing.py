@@ -1,43 +1,10 @@
-"""`meshspeed.checkpointing`: DeepSpeed's activation checkpointing API (`deepspeed.checkpointing`).
+"""`meshspeed.checkpointing` / `deepspeed.checkpointing`: DeepSpeed's activation checkpointing
+API. In DeepSpeed this name is the module `deepspeed.runtime.activation_checkpointing
+.checkpointing` itself, and so it is here: importing this module gives that one (see
+there), so its settings and globals are one and the same whichever name a script used."""
 
-    import meshspeed as deepspeed
-    deepspeed.checkpointing.configure(mpu, deepspeed_config=args.deepspeed_config)
-    deepspeed.checkpointing.model_parallel_cuda_manual_seed(1234)
-    hidden = deepspeed.checkpointing.checkpoint(block, hidden, mask)
+import sys
 
-The same names are at DeepSpeed's long path, `meshspeed.runtime.activation_checkpointing
-.checkpointing`. What each does: meshspeed/parallel/activation_checkpoint.py (checkpoint),
-meshspeed/parallel/non_reentrant.py (non_reentrant_checkpoint),
-meshspeed/parallel/activation_setup.py (configure and the config block) and
-meshspeed/parallel/rng_tracker.py (the RNG tracker); docs/activation_checkpointing.md.
-"""
+from meshspeed.compat.deepspeed.runtime.activation_checkpointing import checkpointing as _long_path
 
-from meshspeed.parallel.activation_checkpoint import checkpoint
-from meshspeed.parallel.activation_setup import (
-    configure,
-    is_configured,
-    model_parallel_cuda_manual_seed,
-    partition_activations_in_checkpoint,
-    reset,
-    set_num_layers,
-)
-from meshspeed.parallel.non_reentrant import non_reentrant_checkpoint
-from meshspeed.parallel.rng_tracker import (
-    CudaRNGStatesTracker,
-    RNGStatesTracker,
-    get_cuda_rng_tracker,
-)
-
-__all__ = [
-    "CudaRNGStatesTracker",
-    "RNGStatesTracker",
-    "checkpoint",
-    "configure",
-    "get_cuda_rng_tracker",
-    "is_configured",
-    "model_parallel_cuda_manual_seed",
-    "non_reentrant_checkpoint",
-    "partition_activations_in_checkpoint",
-    "reset",
-    "set_num_layers",
-]
+sys.modules[__name__] = _long_path

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from meshspeed.config import ConfigError, MeshspeedConfig
 from meshspeed.config.pipeline import PipelineConfig
-from meshspeed.parallel.non_reentrant import non_reentrant_checkpoint
+from meshspeed.parallel.activation_checkpoint import non_reentrant_checkpoint
 from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.parallel.pipeline.schedule import ScheduleError, build
 from meshspeed.parallel.pipeline.tied import TiedGrads

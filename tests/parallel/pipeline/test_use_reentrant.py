@@ -1,7 +1,7 @@
 """`pipeline.use_reentrant` and `pipeline.activation_checkpoint_interval` (meshspeed/config/
 pipeline.py, applied by meshspeed/parallel/pipeline/axis.py): the config picks the pipeline
 layers' checkpoint function and interval, as DeepSpeed's engine does, and the non-reentrant
-checkpoint (meshspeed/parallel/non_reentrant.py) gives the gradients of a plain forward."""
+checkpoint (meshspeed/parallel/activation_checkpoint.py) gives the gradients of a plain forward."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from meshspeed.parallel.activation_checkpoint import (
     current_policy,
     set_policy,
 )
-from meshspeed.parallel.non_reentrant import NonReentrantCheckpointError, non_reentrant_checkpoint
+from meshspeed.parallel.activation_checkpoint import NonReentrantCheckpointError, non_reentrant_checkpoint
 from meshspeed.parallel.pipeline.module import LayerSpec, PipelineModule
 from meshspeed.testing import run_distributed
 

@@ -12,10 +12,16 @@ import numpy as np
 import torch
 
 from meshspeed import comm
+from meshspeed.compat.deepspeed.runtime._grad_norm import (
+    clip_grad_norm_,
+    get_global_norm,
+    is_model_parallel_parameter,
+)
 from meshspeed.parallel.pipeline.partition import balanced_cuts
 from meshspeed.process.accelerator import get_accelerator
 
-__all__ = ["PartitionedTensor", "partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage", "set_random_seed"]
+__all__ = ["PartitionedTensor", "call_to_str", "clip_grad_norm_", "get_global_norm", "is_model_parallel_parameter",
+           "partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage", "set_random_seed"]
 
 _GIB = 2**30
 
@@ -140,3 +146,10 @@ def _read_meta(meta: torch.Tensor) -> tuple[list[int], int, int, list[int]]:
     if len(bounds) != parts + 1:
         raise ValueError(f"PartitionedTensor meta {values} does not describe {parts} parts")
     return size, parts, rank, bounds
+
+
+def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+    """How a call of `base` with these arguments reads: `call_to_str("f", 1, k="v")` is
+    `"f(1, k='v')"` (arguments as repr, keywords after positionals)."""
+    parts = [repr(a) for a in args] + [f"{key}={value!r}" for key, value in kwargs.items()]
+    return f"{base}({', '.join(parts)})"

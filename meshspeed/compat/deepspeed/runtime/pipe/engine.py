@@ -5,7 +5,7 @@ as DeepSpeed's is."""
 from meshspeed.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from meshspeed.engine import pipeline
 from meshspeed.engine.pipeline import PipelineError
-from meshspeed.parallel.non_reentrant import non_reentrant_checkpoint
+from meshspeed.parallel.activation_checkpoint import non_reentrant_checkpoint
 
 __all__ = ["PipelineEngine", "PipelineError"]
 
