@@ -114,17 +114,8 @@ def safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
 @torch.no_grad()
 def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Replace this rank's range of an optimizer state tensor ("exp_avg", ...)."""
-    access = _access(param, writing=True)
-    optimizer, entry = _entry(param, access)
-    if entry is None:
-        raise ValueError(f"safe_set_local_optimizer_state: the optimizer holds no state for this parameter "
-                         f"yet ({optim_state_key!r} is created by its first step)")
-    state = _pick(entry, optim_state_key)
-    if state.dim() == 0:
-        state.copy_(torch.as_tensor(value, dtype=state.dtype))
-    else:
-        state.copy_(_local(value, state.numel(), "safe_set_local_optimizer_state").to(state.dtype).view_as(state))
-    optimizer.state[access.key] = entry
+    _set_state(param, optim_state_key, "safe_set_local_optimizer_state",
+               lambda access, state: _local(value, state.numel(), "safe_set_local_optimizer_state"), value)
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
@@ -147,16 +138,23 @@ def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) ->
 
 @torch.no_grad()
 def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    _set_state(param, optim_state_key, "safe_set_full_optimizer_state",
+               lambda access, state: _own_range(access, value), value)
+
+
+def _set_state(param: nn.Parameter, key: str, caller: str, flat_of, value) -> None:
+    """Write optimizer state `key` of the parameter's range: a scalar ("step") from `value`,
+    a tensor from `flat_of(access, state)` (this rank's range, flat)."""
     access = _access(param, writing=True)
     optimizer, entry = _entry(param, access)
     if entry is None:
-        raise ValueError(f"safe_set_full_optimizer_state: the optimizer holds no state for this parameter "
-                         f"yet ({optim_state_key!r} is created by its first step)")
-    state = _pick(entry, optim_state_key)
+        raise ValueError(f"{caller}: the optimizer holds no state for this parameter "
+                         f"yet ({key!r} is created by its first step)")
+    state = _pick(entry, key)
     if state.dim() == 0:
         state.copy_(torch.as_tensor(value, dtype=state.dtype))
     else:
-        state.copy_(_own_range(access, value).view_as(state))
+        state.copy_(flat_of(access, state).to(state.dtype).view_as(state))
     optimizer.state[access.key] = entry  # a store that hands out copies (swap files) keeps it
 
 
