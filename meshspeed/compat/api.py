@@ -22,6 +22,7 @@ from meshspeed.compat.deepspeed.runtime.pipe.engine import PipelineEngine
 from meshspeed.compat.deepspeed.utils import groups
 from meshspeed.config import MeshspeedConfig
 from meshspeed.engine.build import build
+from meshspeed.optim.no_optimizer import NoOptimizer
 from meshspeed.process.distributed import init_distributed
 from meshspeed.tensor_parallel.request import record_request
 
@@ -46,7 +47,7 @@ def initialize(
 ):
     """Returns `(engine, optimizer, dataloader, lr_scheduler)`, as DeepSpeed does."""
     if model is None:
-        raise ValueError("initialize() needs model=<your nn.Module>")
+        raise MissingModelError("initialize() needs model=<your nn.Module>")
     if config is None:
         config = config_params
         for attr in ("deepspeed_config", "deepscale_config"):  # DeepSpeed's argparse flags
@@ -59,8 +60,14 @@ def initialize(
         lr_scheduler=lr_scheduler, mpu=mpu, mesh_param=mesh_param, collate_fn=collate_fn,
         dataloader_seed=dataloader_seed, engine_types=(DeepSpeedEngine, PipelineEngine))
     groups.set_layout(engine.mesh)  # deepspeed.utils.groups' accessors answer from it
+    if isinstance(opt, NoOptimizer):  # Note [an engine without an optimizer]
+        return engine, None, loader, scheduler
     opt.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped (runtime/engine.py)
     return engine, opt, loader, scheduler
+
+
+class MissingModelError(ValueError, AssertionError):
+    """initialize() without a model (DeepSpeed asserts, so an AssertionError too)."""
 
 
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None,

@@ -47,6 +47,7 @@ from meshspeed.moe.utils import expert_layers
 from meshspeed.monitor.autotune_hooks import start_probe
 from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement
 from meshspeed.optim.builder import ParamSelection, adopt_client_optimizer, build_optimizer
+from meshspeed.optim.no_optimizer import NoOptimizer
 from meshspeed.optim.precision import build_scaler
 from meshspeed.optim.schedulers import build_scheduler
 from meshspeed.parallel import registry
@@ -201,9 +202,8 @@ def _optimizer(cfg: MeshspeedConfig, client: Any, selection: ParamSelection, mod
         if cfg.optimizer is not None:
             raise ConfigError(["optimizer: given both in the config and as initialize(optimizer=...); keep one"])
         return adopt_client_optimizer(client, groups)
-    if cfg.optimizer is None:
-        raise ConfigError('optimizer: missing; add an "optimizer" block to the config '
-                          '(e.g. {"type": "AdamW", "params": {"lr": 3e-4}}) or pass initialize(optimizer=...)')
+    if cfg.optimizer is None:  # Note [an engine without an optimizer]
+        return NoOptimizer(groups)
     try:
         opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), groups, mesh.group("dp_cp"))
     except (ValueError, TypeError) as err:
