@@ -226,3 +226,13 @@ def test_deepspeed_io_shards_like_initialize():
     assert [len(b[0]) for b in engine.deepspeed_io(data, batch_size=5)] == [5, 5]
     with pytest.raises(NotImplementedError, match="data_sampler"):
         engine.deepspeed_io(data, data_sampler=torch.utils.data.SequentialSampler(data))
+
+
+def test_zero3_elastic_checkpoint_warns_that_it_is_deprecated(caplog):
+    from meshspeed.compat.deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    with caplog.at_level("WARNING", logger="meshspeed"):
+        DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+        assert not caplog.records
+        DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    assert "elastic checkpointing is deprecated" in caplog.text

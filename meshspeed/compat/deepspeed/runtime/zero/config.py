@@ -18,6 +18,7 @@ wants DeepSpeed's values sets the keys.
 
 from __future__ import annotations
 
+import logging
 import sys
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -101,6 +102,15 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel, ZeroConfig):
             stage = data.get("stage", 0)
             data = {**data, "overlap_comm": stage == ZeroStageEnum.weights}
         return data
+
+    @model_validator(mode="after")
+    def _elastic_checkpoint_is_not_for_stage3(self):
+        if self.elastic_checkpoint and self.stage == ZeroStageEnum.weights:
+            logging.getLogger("meshspeed").warning(
+                "ZeRO-3 elastic checkpointing is deprecated and has no effect: zero_optimization."
+                "elastic_checkpoint applies to ZeRO 1-2 in DeepSpeed, and meshspeed's checkpoints load at any "
+                "data-parallel size at every stage")
+        return self
 
     @model_validator(mode="after")
     def _grad_norm_needs_stage_1_or_2(self):
