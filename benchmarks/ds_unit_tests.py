@@ -97,6 +97,17 @@ INTERNALS: dict[str, str] = {
     r"unit/runtime/utils/test_partition.py::": "runtime.utils.partition_* and PartitionedTensor: pipeline-engine internals",
     r"unit/runtime/comm/test_coalesced_collectives.py::": "runtime.comm.coalesced_collectives: ZeRO-3's private collective helpers",
     r"unit/utils/test_partition_balanced.py::": "runtime.utils.partition_balanced: a pipeline-engine helper",
+    r"unit/checkpoint/test_zero_optimizer.py::TestZeROElasticCheckpoint::test_elastic_checkpoint_fixed_dp\[True":
+        "reads engine.optimizer.optimizer, the inner optimizer of DeepSpeed's ZeRO wrapper (meshspeed's "
+        "engine.optimizer is that optimizer: Note [DeepSpeed's optimizer wrappers])",
+    r"unit/checkpoint/test_zero_optimizer.py::TestZeRONonDistributed::test_chmod_exception_handling":
+        "calls the engine's private _change_recovery_script_permissions",
+    r"unit/runtime/test_runtime_utils.py::TestClipGradNorm::test_gather":
+        "calls the private groups._create_expert_and_data_parallel",
+    r"unit/runtime/test_runtime_utils.py::TestCheckOverflow::":
+        "CheckOverflow (the fp16 optimizers' helper) and the private groups._create_expert_and_data_parallel",
+    r"unit/runtime/test_runtime_utils.py::test_count_used_parameters":
+        "count_used_parameters_in_backward, the ZeRO engine's backward-hook helper",
 }
 
 
