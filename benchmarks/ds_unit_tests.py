@@ -210,7 +210,8 @@ def table(results: dict, source: str) -> str:
     gaps, internals = [], []
     total = [0, 0, 0, 0]
     for name in FILES:
-        names = sorted({t for t in [*ds, *ms] if t.startswith(name + "::")})
+        # "file::*" stands for a file that reported no test (an import error): not a test
+        names = sorted({t for t in [*ds, *ms] if t.startswith(name + "::") and not t.endswith("::*")})
         ds_pass = [t for t in names if ds.get(t, {}).get("outcome") == "passed"]
         ms_pass = [t for t in ds_pass if ms.get(t, {}).get("outcome") == "passed"]
         inner = [t for t in ds_pass if internal_reason(t)]
@@ -232,11 +233,16 @@ def table(results: dict, source: str) -> str:
     return "\n".join(lines)
 
 
-def write_docs(text: str, command: str) -> None:
+def _head() -> str:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def write_docs(text: str, ms_commit: str) -> None:
     doc = DOCS.read_text()
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=True).stdout.strip()
-    block = f"{START}\nMeasured at commit {commit} with `{command}`.\n\n{text}\n{END}"
+    block = (f"{START}\nmeshspeed at commit {ms_commit}; made with `python benchmarks/ds_unit_tests.py` (both "
+             f"sides; `--side none --write-docs` writes this table from benchmarks/results/ds_unit_tests.json).\n\n"
+             f"{text}\n{END}")
     if START in doc:
         doc = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
     else:
@@ -248,19 +254,22 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repo", type=Path, default=Path(os.environ.get("DEEPSPEED_REPO", DEFAULT_REPO)))
     p.add_argument("--ref", default=None)
-    p.add_argument("--side", choices=("ds", "ms", "both"), default="both")
+    p.add_argument("--side", choices=("ds", "ms", "both", "none"), default="both",
+                   help="none: no run, the table from the results file")
     p.add_argument("--only", default=None, help="run only the files whose path contains this")
     p.add_argument("--file-timeout", type=int, default=1800)
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
 
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results = {"ds": previous.get("ds", []), "ms": previous.get("ms", [])}
-    sides = ["ds", "ms"] if args.side == "both" else [args.side]
+    results = {"ds": previous.get("ds", []), "ms": previous.get("ms", []), "ms_commit": previous.get("ms_commit")}
+    sides = {"both": ["ds", "ms"], "none": []}.get(args.side, [args.side])
     files = [f for f in FILES if args.only is None or args.only in f]
+    source = previous.get("source", "?")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        source = export_tests(args.repo, args.ref, tmp)
+        if sides:
+            source = export_tests(args.repo, args.ref, tmp)
         shim = tmp / "alias"
         sys.path.insert(0, str(REPO))
         from meshspeed.compat.install import write_shim
@@ -282,13 +291,15 @@ def main() -> int:
                       flush=True)
                 kept += records
             results[side] = kept
+            if side == "ms":
+                results["ms_commit"] = _head()
     results["source"] = source
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     text = table(results, source)
     print(text)
     if args.write_docs:
-        write_docs(text, "python benchmarks/ds_unit_tests.py " + " ".join(sys.argv[1:]))
+        write_docs(text, results.get("ms_commit", "?"))
     return 0
 
 
