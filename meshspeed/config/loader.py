@@ -134,7 +134,7 @@ def _parse(text: str) -> Any:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as json_error:
         try:
-            import hjson  # optional: DeepSpeed depends on it, meshspeed does not
+            import hjson  # lazy: optional dependency (DeepSpeed depends on it, meshspeed does not)
         except ImportError:
             raise json_error from None
         try:

@@ -273,6 +273,9 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
         self.tracker.flush()
         self._settle_reductions()
         self._accumulated = True
+        if self.fetcher is not None:
+            self.fetcher.finish(Pass.BACKWARD)
+            self.fetcher.release_all()
 
     def drop_unreduced(self) -> None:
         held = [u for u in self.units if u.grads is not None and u.grad_shard is None]
@@ -280,9 +283,6 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
             for unit in held:
                 unit.grads.bind()
             self._accumulated = False
-        if self.fetcher is not None:
-            self.fetcher.finish(Pass.BACKWARD)
-            self.fetcher.release_all()
 
     # -- step -----------------------------------------------------------------------------
     def prepare_step(self) -> StepGradients:

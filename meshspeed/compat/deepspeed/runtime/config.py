@@ -174,6 +174,6 @@ def _optimizer_name(name: str) -> str:
 def _dtype(name: str | None):
     if name is None:
         return None
-    import torch  # lazy, as in meshspeed/config/root.py
+    import torch  # lazy: start-up cost, as in meshspeed/config/root.py
 
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
