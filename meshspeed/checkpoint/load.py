@@ -91,9 +91,19 @@ def _load_weights(engine, store: SavedTensors, slices, plans: dict[str, ReadPlan
             buffers[name].copy_(store.read(info.get("file", rank0_file), f"buffer/{name}"))
 
 
+# torch's Adam and AdamW and DeepSpeed's FusedAdam and DeepSpeedCPUAdam keep the same state
+# (step, exp_avg, exp_avg_sq) and options (decoupled_weight_decay says which update), so a
+# checkpoint of one loads into another: a config's "Adam" builds FusedAdam, a script torch's.
+_ADAM_FAMILY = frozenset({"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"})
+
+
+def _family(class_name: str) -> str:
+    return "Adam" if class_name in _ADAM_FAMILY else class_name
+
+
 def _restore_groups(optimizer, meta: dict, path: str) -> None:
     saved = meta["optimizer"]
-    if saved["class"] != type(optimizer).__name__:
+    if _family(saved["class"]) != _family(type(optimizer).__name__):
         raise CheckpointError(f"checkpoint {path} holds {saved['class']} state but the engine's "
                               f"optimizer is {type(optimizer).__name__}; pass "
                               "load_optimizer_states=False to load the weights only")

@@ -51,6 +51,7 @@ from meshspeed.optim.no_optimizer import NoOptimizer
 from meshspeed.optim.precision import build_scaler
 from meshspeed.optim.schedulers import build_scheduler
 from meshspeed.parallel import registry
+from meshspeed.parallel.protocol import HandsOver
 from meshspeed.parallel.activation_setup import configure_from_config
 from meshspeed.parallel.data.onebit import apply_onebit
 from meshspeed.parallel.pipeline.axis import apply_pp
@@ -94,6 +95,7 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     _check_trainable(model)
+    _take_over(model)  # Note [a second engine on one model]
     check_initialised(model)  # Note [initialised after the build]
     client_groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else None
     selection = ParamSelection.capture(client_groups or model_parameters, model)
@@ -167,6 +169,23 @@ def run_features(cfg: MeshspeedConfig, degrees: dict[str, int], model: nn.Module
     if mpu is not None:
         out["mpu"] = FEATURES["mpu"]
     return out
+
+
+# Note [a second engine on one model]
+# Scripts call initialize again on a model an earlier engine still holds (DeepSpeed's tests
+# load a checkpoint into a fresh engine on the same module; Hugging Face re-initializes for
+# evaluation). At stage 3 the earlier strategy left each parameter an empty placeholder and
+# hooks on the modules. The new engine asks every earlier owner that can (HandsOver) to make
+# the parameters whole plain tensors and remove its hooks, so it starts from the values the
+# first one trained; the earlier engine then refuses to train, in one sentence.
+def _take_over(model: nn.Module) -> None:
+    owners = {}
+    for p in model.parameters():
+        owner = registry.owner_of(p)
+        if isinstance(owner, HandsOver):
+            owners.setdefault(id(owner), owner)
+    for owner in owners.values():
+        owner.hand_over()
 
 
 def _check_trainable(model: nn.Module) -> None:

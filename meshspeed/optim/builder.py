@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshspeed.optim.adam import FusedAdam
 from meshspeed.optim.onebit import OneBitAdam
 from meshspeed.optim.onebit_lamb import OneBitLamb
 from meshspeed.optim.zero_one import ZeroOneAdam
@@ -89,9 +90,13 @@ def build_optimizer(kind: str, params: dict[str, Any], groups: list[dict],
     if kind == "SGD":
         return torch.optim.SGD(groups, **kwargs)
     decoupled = kind == "AdamW" or params.get("adam_w_mode", True)
-    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     if not params.get("torch_adam", False):  # Note [no weight_decay means 0]
         kwargs.setdefault("weight_decay", 0.0)
+        if not ({"fused", "foreach"} & kwargs.keys()) and not kwargs.get("amsgrad", False):
+            # DeepSpeed's own class, as DeepSpeed builds it (Note [Adam means AdamW]); the
+            # arithmetic is torch's fused Adam either way
+            return FusedAdam(groups, adam_w_mode=bool(decoupled), **kwargs)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     if "fused" not in kwargs and "foreach" not in kwargs and _fusable(groups):
         # torch picks its slow per-tensor loop for CPU tensors; its fused kernel runs the
         # whole update in one pass over memory (about 2.5x faster here, same arithmetic)

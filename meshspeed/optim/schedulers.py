@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,9 +63,12 @@ class WarmupSchedule(LRSchedule):
                 f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}"
             )
         if warmup_type not in WARMUP_TYPES:
-            raise LRScheduleError(
-                f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}"
-            )
+            # DeepSpeed's classes warn and use the log curve; a config is checked strictly
+            # in build_scheduler before it gets here.
+            warnings.warn(
+                f"warmup_type {warmup_type!r} is not one of {WARMUP_TYPES}; using 'log' "
+                "(as DeepSpeed does)", stacklevel=3)
+            warmup_type = "log"
         super().__init__(optimizer, last_batch_iteration)
         # log(1) = 0 would divide by zero; DeepSpeed clamps the same way.
         self.warmup_num_steps = max(2, warmup_num_steps)
@@ -218,4 +222,10 @@ def build_scheduler(optimizer: Optimizer, type_name: str, params: dict[str, Any]
     ]
     if missing:
         raise LRScheduleError(f"scheduler {type_name} requires {', '.join(map(repr, missing))}")
+    warmup_type = params.get("warmup_type", "log")
+    if issubclass(cls, WarmupSchedule) and warmup_type not in WARMUP_TYPES:
+        raise LRScheduleError(
+            f"scheduler {type_name}: warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}"
+            f"{_did_you_mean(str(warmup_type), WARMUP_TYPES)}"
+        )
     return cls(optimizer, **params)

@@ -165,6 +165,15 @@ class GatheredCache(Protocol):
 
 
 @runtime_checkable
+class HandsOver(Protocol):
+    """Gives its parameters up to a later `initialize` on the same module: makes each whole
+    again as a plain tensor (a collective), removes its hooks, and refuses further steps
+    (Note [a second engine on one model] in engine/build.py)."""
+
+    def hand_over(self) -> None: ...
+
+
+@runtime_checkable
 class Closeable(Protocol):
     """Holds files or threads to release at the end of training (an offloaded optimizer)."""
 

@@ -122,8 +122,18 @@ def test_warmup_steps_below_two_are_clamped_like_deepspeed():
     assert sched.warmup_num_steps == 2
     with pytest.raises(ValueError, match="warmup_num_steps"):
         WarmupLR(make_optimizer(1.0), warmup_num_steps=0)
-    with pytest.raises(ValueError, match="warmup_type"):
-        WarmupLR(make_optimizer(1.0), warmup_type="exp")
+
+
+def test_unknown_warmup_type_warns_and_uses_log_like_deepspeed_but_a_config_is_refused():
+    with pytest.warns(UserWarning, match="warmup_type 'exp'"):
+        sched = WarmupCosineLR(make_optimizer(1.0), total_num_steps=20, warmup_type="exp",
+                               warmup_num_steps=10)
+    ref = WarmupCosineLR(make_optimizer(1.0), total_num_steps=20, warmup_type="log",
+                         warmup_num_steps=10)
+    assert sched.warmup_type == "log"
+    assert [sched.lr_ratio(i) for i in range(15)] == [ref.lr_ratio(i) for i in range(15)]
+    with pytest.raises(ValueError, match="warmup_type must be one of"):
+        build_scheduler(make_optimizer(1.0), "WarmupLR", {"warmup_type": "exp"})
 
 
 def test_step_to_explicit_iteration():

@@ -18,7 +18,7 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.experts import ExpertSpec
-from meshspeed.parallel.protocol import ExternalParameters, GatheredCache, ParameterOwner, Strategy
+from meshspeed.parallel.protocol import ExternalParameters, GatheredCache, HandsOver, ParameterOwner, Strategy
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.step import StepGradients
@@ -59,7 +59,7 @@ _DS_STATUS = {ParamState.WHOLE: ZeroParamStatus.AVAILABLE, ParamState.GATHERING:
               ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE}
 
 
-class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
+class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOver):
     def __init__(
         self,
         module: nn.Module,
@@ -99,6 +99,8 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
         self.expert_groups = None if experts is None else \
             UnitGroups(shard=experts.group, average_over=experts.dp_size)
         self.placement = placement or DevicePlacement()
+        self._hooks: list = []  # module hook handles, removed by hand_over
+        self.handed_over = False
         self._gather_built_under_init(module, persistence_threshold)
         self._broadcast_stage3_params(module, persistence_threshold)
         device = next(module.parameters()).device
@@ -181,8 +183,8 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
     def _install_module_hooks(self, plan: GroupingPlan) -> None:
         # the root's hooks bracket every pass (and record the unit order for prefetch) even
         # when the root owns no sharded parameter of its own
-        self.module.register_forward_pre_hook(weak_method(self._root_pre_forward))
-        self.module.register_forward_hook(weak_method(self._root_post_forward))
+        self._hooks.append(self.module.register_forward_pre_hook(weak_method(self._root_pre_forward)))
+        self._hooks.append(self.module.register_forward_hook(weak_method(self._root_post_forward)))
         for index, (unit_plan, unit) in enumerate(zip(plan.units, self.units)):
             if not unit.shard_params:
                 continue
@@ -190,8 +192,10 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
             if unit_plan.module is self.module:  # root: whole for the entire forward+backward
                 self.root_index = fetch_index
             else:
-                unit_plan.module.register_forward_pre_hook(weak_method(self._pre_forward, fetch_index))
-                unit_plan.module.register_forward_hook(weak_method(self._post_forward, fetch_index))
+                self._hooks.append(unit_plan.module.register_forward_pre_hook(
+                    weak_method(self._pre_forward, fetch_index)))
+                self._hooks.append(unit_plan.module.register_forward_hook(
+                    weak_method(self._post_forward, fetch_index)))
 
     def _root_pre_forward(self, module, args):
         self.fetcher.start(Pass.FORWARD)
@@ -227,7 +231,30 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
         return output  # (inference: every unit was released above)
 
     # -- backward -------------------------------------------------------------------------
+    def hand_over(self) -> None:
+        """A later initialize on this module takes its parameters (HandsOver)."""
+        if self.handed_over:
+            return
+        self.flush()
+        params = [p for unit in self.units for p in unit.params]
+        gathered = self.gather_for_user(params)  # collective, in unit order on every rank
+        whole = [p.data.detach().clone() for p in params]
+        self.release_for_user(gathered)
+        for p, values in zip(params, whole):
+            p.data = values  # no longer a view of this strategy's buffers
+        for handle in self._hooks + self.tracker.handles:
+            handle.remove()
+        self._hooks, self.tracker.handles = [], []
+        self.handed_over = True
+
+    def _check_not_handed_over(self) -> None:
+        if self.handed_over:
+            raise RuntimeError(
+                "this engine's model was passed to a later initialize, which took its "
+                "parameters over; train with the engine that call returned")
+
     def begin_micro_step(self, boundary: bool, loss_scale: float = 1.0) -> None:
+        self._check_not_handed_over()
         self.boundary = boundary
         files = self.placement.deferred_grads()
         if files is not None:  # gradients land in files, unscaled on the way
@@ -286,6 +313,7 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache):
 
     # -- step -----------------------------------------------------------------------------
     def prepare_step(self) -> StepGradients:
+        self._check_not_handed_over()
         self.placement.before_step(self)
         self.placement.attach_grads(self.units)
         # expert shards: distinct over edp (sharded) and over ep (other experts), so
