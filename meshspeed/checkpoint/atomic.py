@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
@@ -47,6 +48,26 @@ def write_text(path: str, text: str) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise CheckpointError(describe_os_error(err, path, "write")) from err
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_with(path: str, write: Callable[[str], None]) -> None:
+    """Atomically replace `path` with what `write(temp_path)` writes (torch.save, safetensors'
+    save_file, ...): concurrent writers of one path each publish a complete file."""
+    tmp = temp_name(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise CheckpointError(describe_os_error(err, path, "write")) from err
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     fsync_dir(os.path.dirname(path) or ".")
 
 

@@ -111,3 +111,23 @@ def test_disk_full_fails_cleanly_on_every_rank(tmp_path, async_save):
     # the failed tag never appeared, nothing half-written is left, later saves work
     assert sorted(os.listdir(save_dir)) == ["global_step1", "global_step3", "latest"]
     assert read_latest(str(save_dir)) == "global_step3" and out[0]["steps"] == 3
+
+
+def test_write_with_publishes_whole_files_or_nothing(tmp_path):
+    """zero_to_fp32's outputs go through write_with: a failed write leaves the old file and
+    no temporary behind; a finished one replaces it."""
+    from meshspeed.checkpoint.atomic import write_with
+
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(b"old")
+
+    def failing(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"half")
+        raise RuntimeError("disk went away")
+
+    with pytest.raises(RuntimeError, match="disk went away"):
+        write_with(str(path), failing)
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    write_with(str(path), lambda tmp: open(tmp, "wb").write(b"new"))
+    assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from meshspeed.checkpoint.atomic import write_with
 from meshspeed.checkpoint.consolidate import consolidate, convert
 from meshspeed.checkpoint.metadata import read_meta
 from meshspeed.checkpoint.paths import resolve
@@ -80,10 +81,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag:
         convert(checkpoint_dir, path, tag=tag)
         return path
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    # every rank of a job may call this with one path (DeepSpeed's tests do): each writes its
+    # own temporary file and renames it, so a reader never sees a half-written one
     if path.endswith(".safetensors"):
-        save_file(_untied(state), path, metadata={"format": "pt"})
+        write_with(path, lambda tmp: save_file(_untied(state), tmp, metadata={"format": "pt"}))
     else:
-        torch.save(state, path)
+        write_with(path, lambda tmp: torch.save(state, tmp))
     return path
 
 
