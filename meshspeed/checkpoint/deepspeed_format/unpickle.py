@@ -79,9 +79,14 @@ class _TensorType:
 
 
 def _rebuild_from_type(func, new_type, args, state):
-    """torch's rebuild of a tensor (sub)class: only a plain tensor, without extra state."""
-    if func not in (_rebuild_tensor, _rebuild_parameter) or new_type is not _TensorType or state:
-        raise pickle.UnpicklingError("a tensor subclass or a tensor with extra state")
+    """torch's rebuild of a tensor (sub)class: only a plain tensor. Python attributes set
+    on it (DeepSpeed tags ZeRO-3 groups with `ds_id`) are dropped: plain values only."""
+    if func not in (_rebuild_tensor, _rebuild_parameter) or new_type is not _TensorType:
+        raise pickle.UnpicklingError("a tensor subclass")
+    for part in state if isinstance(state, tuple) else (state,):
+        if part and not (isinstance(part, dict) and all(
+                isinstance(v, (str, int, float, bool, type(None))) for v in part.values())):
+            raise pickle.UnpicklingError("a tensor with state other than plain attributes")
     return func(*args)
 
 
