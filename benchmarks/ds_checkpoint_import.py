@@ -67,15 +67,19 @@ def batches():
     return torch.randn(steps, GLOBAL_ROWS, 6, generator=g), torch.randn(steps, GLOBAL_ROWS, 3, generator=g)
 
 
-def ds_config(stage: int, dp: int, precision: str) -> dict:
+def ds_config(stage: int, dp: int, precision: str, torch_adam: bool = False) -> dict:
     cfg = {
         "train_batch_size": GLOBAL_ROWS,
         "train_micro_batch_size_per_gpu": GLOBAL_ROWS // dp,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-6}},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-6,
+                                                 **({"torch_adam": True} if torch_adam else {})}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                      "warmup_num_steps": 10}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        # said explicitly: DeepSpeed 0.19.3+ clips at 1.0 when the key is missing, meshspeed
+        # keeps the older default 0 (meshspeed/config/root.py)
+        "gradient_clipping": 1.0,
         "steps_per_print": 10_000,
     }
     if precision in ("bf16", "fp16"):
@@ -112,7 +116,7 @@ def _ds_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     import torch
 
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = ds_config(plan["stage"], world, plan["precision"])
+    cfg = ds_config(plan["stage"], world, plan["precision"], plan.get("torch_adam", False))
     model = build_model(0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     before = train(engine, 0, SAVE_AT, rank, world)
@@ -180,7 +184,7 @@ def _ms_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     enter_rank(rank, world, port)
     import meshspeed
 
-    cfg = ds_config(plan["stage"], world, plan["precision"])
+    cfg = ds_config(plan["stage"], world, plan["precision"], plan.get("torch_adam", False))
     model = build_model(7)
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     _, client = engine.load_checkpoint(plan["ckpt"])
@@ -197,17 +201,19 @@ def _worker(args) -> None:
 
 
 # -- the parent -----------------------------------------------------------------------------------
-def ds_save(tmp: Path, stage: int, dp: int, precision: str, expected: str | None = None) -> tuple[Path, dict]:
+def ds_save(tmp: Path, stage: int, dp: int, precision: str, expected: str | None = None,
+            torch_adam: bool = False) -> tuple[Path, dict]:
     ckpt = tmp / f"ds-z{stage}-dp{dp}-{precision}"
     plan = {"deepspeed": True, "stage": stage, "precision": precision, "ckpt": str(ckpt),
-            "expected": expected}
+            "expected": expected, "torch_adam": torch_adam}
     work = tmp / f"run-{ckpt.name}"
     work.mkdir(exist_ok=True)
     return ckpt, run_degree(__file__, dp, plan, work)
 
 
-def ms_load(tmp: Path, ckpt: Path, stage: int, dp: int, precision: str) -> dict:
-    plan = {"deepspeed": False, "stage": stage, "precision": precision, "ckpt": str(ckpt)}
+def ms_load(tmp: Path, ckpt: Path, stage: int, dp: int, precision: str, torch_adam: bool = False) -> dict:
+    plan = {"deepspeed": False, "stage": stage, "precision": precision, "ckpt": str(ckpt),
+            "torch_adam": torch_adam}
     work = tmp / f"run-ms-{ckpt.name}-z{stage}-dp{dp}"
     work.mkdir(exist_ok=True)
     return run_degree(__file__, dp, plan, work)
@@ -229,10 +235,11 @@ def main_compare(args) -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for stage, dp, precision in cases:
-            ckpt, ref = ds_save(tmp, stage, dp, precision)
+            ckpt, ref = ds_save(tmp, stage, dp, precision, torch_adam=args.torch_adam)
             for ms_dp, ms_stage in [(dp, stage), (3 - dp, (stage + 1) % 4)]:
-                got = ms_load(tmp, ckpt, ms_stage, ms_dp, precision)
+                got = ms_load(tmp, ckpt, ms_stage, ms_dp, precision, torch_adam=args.torch_adam)
                 row = {"deepspeed": f"z{stage} dp{dp} {precision}", "meshspeed": f"z{ms_stage} dp{ms_dp}",
+                       "torch_adam": args.torch_adam,
                        "ds_losses": ref["after"], "ms_losses": got["after"],
                        "max_rel_diff": rel_diff(got["after"], ref["after"])}
                 rows.append(row)
@@ -280,6 +287,9 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="the first three cases only")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--torch-adam", action="store_true",
+                   help='optimizer.params.torch_adam: DeepSpeed steps with torch.optim.AdamW, not its '
+                        'CPU FusedAdam kernel')
     p.add_argument("--write-fixtures", action="store_true", help="write the CI fixtures")
     args = p.parse_args()
     if args.worker:

@@ -57,6 +57,7 @@ class DeepSpeedCheckpoint:
     aliases: dict[str, str] = field(default_factory=dict)  # tied: alias -> saved name
     _optim: list[Any] = field(default_factory=list, repr=False)  # per dp rank, stage >= 1
     _models: list[Any] = field(default_factory=list, repr=False)  # per dp rank, stage 3
+    _moment_keys: dict[str, list[str]] | None = field(default=None, repr=False)
 
     @property
     def path(self) -> str:
@@ -87,6 +88,20 @@ class DeepSpeedCheckpoint:
             if isinstance(cfg.get(key), dict) and cfg[key].get("enabled"):
                 return key
         return "fp32"
+
+    @property
+    def trainable(self) -> set[str]:
+        return {n for g in self.group_names for n in g}
+
+    def all_param_names(self) -> list[str]:
+        """Every parameter in the order `params()` yields them."""
+        return [n for g in self.group_names for n in g] + _frozen_names(self)
+
+    def moment_keys(self, name: str) -> list[str]:
+        """The optimizer state tensors saved for a parameter (exp_avg, exp_avg_sq, or none)."""
+        if self._moment_keys is None:
+            self._moment_keys = _moment_keys(self)
+        return self._moment_keys.get(name, [])
 
     def params(self) -> Iterator[ParamState]:
         """Each trainable parameter, whole, then each frozen one (master only)."""
@@ -238,13 +253,36 @@ def _zero3_params(ck: DeepSpeedCheckpoint) -> Iterator[ParamState]:
         pos += part
 
 
+def _moment_keys(ck: DeepSpeedCheckpoint) -> dict[str, list[str]]:
+    def present(states: list[dict]) -> list[str]:
+        return [k for k in MOMENTS if states and all(k in s for s in states)]
+
+    if ck.stage == 0:
+        opt = ck.header.get("optimizer")
+        if not opt:
+            return {}
+        if "fp32_groups_flat" in opt:
+            state = opt["optimizer_state_dict"]["state"]
+            return {n: present([state.get(g, {})]) for g, names in enumerate(ck.group_names) for n in names}
+        names = [n for g in ck.group_names for n in g]
+        return {n: present([opt["state"].get(i, {})]) for i, n in enumerate(names)}
+    sds = [f["optimizer_state_dict"] for f in ck._optim]
+    if ck.stage in (1, 2):
+        return {n: present([sd["base_optimizer_state"]["state"].get(g, {}) for sd in sds])
+                for g, names in enumerate(ck.group_names) for n in names}
+    subs = [st for sd in sds for st in sd["optimizer_state_dict"]["state"].values()]
+    keys = present(subs)
+    return {n: keys for n in ck.names}
+
+
 def _frozen_names(ck: DeepSpeedCheckpoint) -> list[str]:
     frozen = ck.header.get("frozen_param_shapes") or {}
     if ck.stage == 3 and frozen:
         raise CheckpointError(f"{ck.path}: frozen parameters of a ZeRO-3 DeepSpeed checkpoint "
                               f"({next(iter(frozen))!r}, ...) are not read yet; unfreeze them before "
                               "saving, or convert with DeepSpeed's zero_to_fp32.py")
-    return [n for n in frozen if n not in ck.shapes]
+    trainable = ck.trainable
+    return [n for n in frozen if n not in trainable]
 
 
 def _module_param_names(header: dict[str, Any]) -> list[str]:
@@ -366,12 +404,13 @@ def read_tag(files: TagFiles, tp_rank: int = 0) -> DeepSpeedCheckpoint:
         names = [n for g in groups for n in g]
     else:
         module = header["module"]
-        names = _module_param_names(header)
+        frozen = set(header.get("frozen_param_shapes") or {})
+        names = [n for n in _module_param_names(header) if n not in frozen]
         shapes = {n: tuple(module[n].shape) for n in names}
         groups = _stage0_groups(header, names, shapes)
-        frozen = set(header.get("frozen_param_shapes") or {})
-        names = [n for n in names if n not in frozen]
+        names = [n for g in groups for n in g]
     module = header.get("module") or {}
+    shapes.update({n: tuple(s) for n, s in (header.get("frozen_param_shapes") or {}).items()})
     buffers = {n: module[n] for n in header.get("buffer_names") or [] if n in module}
     aliases = dict(header.get("shared_params") or {})
     return DeepSpeedCheckpoint(files, stage, dp if stage > 0 else int(saved_dp or 1), header, names, shapes,
