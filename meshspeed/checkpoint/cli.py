@@ -10,7 +10,8 @@ from meshspeed.checkpoint.errors import CheckpointError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a save_dir (its `latest` tag is used) or a tag directory")
+    parser.add_argument("checkpoint", help="a save_dir (its `latest` tag is used) or a tag directory, "
+                        "of meshspeed or of DeepSpeed (ZeRO 0-3: the fp32 masters, like its zero_to_fp32.py)")
     parser.add_argument("output", help="the .safetensors file to write")
     parser.add_argument("--tag", default=None, help="the tag to convert instead of `latest`")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",

@@ -13,6 +13,7 @@ and the global, before anything is imported (Note [an allowlist, per call]).
 
 from __future__ import annotations
 
+import _compat_pickle
 import os
 import pickle
 import types
@@ -157,6 +158,10 @@ def _pickle_module(path: str) -> types.ModuleType:
 
     class _Restricted(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
+            # protocol 2 names Python 2's modules (`__builtin__.set`), as pickle maps them
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
             found = _ALLOWED.get((module, name), dtypes.get((module, name)))
             if found is None:
                 raise refusal(path, module, name)
