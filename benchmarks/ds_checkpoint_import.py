@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from anchor_ranks import REPO, enter_rank, run_degree, spawn_ranks  # noqa: E402
+from anchor_ranks import REPO, enter_rank, run_degree, spawn_ranks
 
 GLOBAL_ROWS = 4
 SAVE_AT = 2
@@ -151,10 +150,9 @@ def _ds_expected(engine, client) -> dict:
     for name, p in engine.module.named_parameters():
         if id(p) in flat_of:
             flat, offset = flat_of[id(p)]
-            view = lambda t: t.detach()[offset:offset + p.numel()].reshape(p.shape).float().clone()  # noqa: E731
-            tensors[f"master/{name}"] = view(flat)
-            for key in ("exp_avg", "exp_avg_sq"):
-                tensors[f"optim/{key}/{name}"] = view(inner.state[flat][key])
+            for key, t in (("master", flat), ("optim/exp_avg", inner.state[flat]["exp_avg"]),
+                           ("optim/exp_avg_sq", inner.state[flat]["exp_avg_sq"])):
+                tensors[f"{key}/{name}"] = t.detach()[offset:offset + p.numel()].reshape(p.shape).float().clone()
             continue
         master = safe_get_full_fp32_param(p)
         plain = master is None  # no ZeRO or mixed-precision wrapper: the parameter is the master
@@ -244,7 +242,7 @@ def main_compare(args) -> None:
                        "max_rel_diff": rel_diff(got["after"], ref["after"])}
                 rows.append(row)
                 print(f"DeepSpeed {row['deepspeed']:>14} -> meshspeed {row['meshspeed']:>8}: "
-                      f"DS {['%.7f' % x for x in ref['after']]} MS {['%.7f' % x for x in got['after']]} "
+                      f"DS {[f'{x:.7f}' for x in ref['after']]} MS {[f'{x:.7f}' for x in got['after']]} "
                       f"max rel {row['max_rel_diff']:.2e}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -16,7 +16,10 @@ from collections.abc import Iterator
 
 import torch
 
-from meshspeed.checkpoint.deepspeed_format.consolidate import convert_deepspeed, deepspeed_state_dict
+from meshspeed.checkpoint.deepspeed_format.consolidate import (
+    convert_deepspeed,
+    deepspeed_state_dict,
+)
 from meshspeed.checkpoint.deepspeed_format.layout import find_tag
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import resolve

@@ -245,12 +245,14 @@ def _zero3_params(ck: DeepSpeedCheckpoint) -> Iterator[ParamState]:
         shape = ck.shapes[name]
         n = math.prod(shape)
         part = math.ceil(n / ck.dp_size)
-
-        def whole(rank_pieces: list[_Pieces]) -> torch.Tensor:
-            return torch.cat([p.take(pos, part) for p in rank_pieces])[:n].reshape(shape)
-
-        yield ParamState(name, whole(flats), {k: whole(moments[k]) for k in has}, step)
+        yield ParamState(name, _gather(flats, pos, part, shape),
+                         {k: _gather(moments[k], pos, part, shape) for k in has}, step)
         pos += part
+
+
+def _gather(rank_pieces: list[_Pieces], pos: int, part: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Stage 3: a parameter from every dp rank's `part` elements at `pos`, padding cut."""
+    return torch.cat([p.take(pos, part) for p in rank_pieces])[:math.prod(shape)].reshape(shape)
 
 
 def _moment_keys(ck: DeepSpeedCheckpoint) -> dict[str, list[str]]:
@@ -356,7 +358,12 @@ def _loss_scaler(header: dict[str, Any], optim: list[Any], stage: int) -> dict[s
 
 def _zero_stage(header: dict[str, Any], files: TagFiles, optim: list[Any]) -> int:
     if optim:
-        return int(optim[0]["optimizer_state_dict"].get("zero_stage", 0))
+        sd = optim[0]["optimizer_state_dict"]
+        stage = int(sd.get("zero_stage", 0))
+        # BF16_Optimizer (bf16 at stage 0 on accelerators) partitions like ZeRO 1 and writes
+        # bf16_zero_pp_rank_* files; read its layout as stage 1's (not seen on CPU, where
+        # DeepSpeed 0.19.8 uses FP16_Optimizer's flat groups instead)
+        return max(stage, 1) if "single_partition_of_fp32_groups" in sd else stage
     stage = ((header.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0)
     return int(stage)
 
@@ -399,6 +406,9 @@ def read_tag(files: TagFiles, tp_rank: int = 0) -> DeepSpeedCheckpoint:
     if stage == 3:
         models = [header] + [load_torch_file(files.model[(d, tp_rank)]) for d in range(1, dp)]
     if stage > 0:
+        if not header.get("param_shapes"):
+            raise CheckpointError(f"{files.model[(0, tp_rank)]} has no param_shapes, which a ZeRO "
+                                  f"stage {stage} checkpoint needs to name its partitions")
         groups = [list(g) for g in header["param_shapes"]]
         shapes = {n: tuple(s) for g in header["param_shapes"] for n, s in g.items()}
         names = [n for g in groups for n in g]
