@@ -142,7 +142,7 @@ def _ds_expected(engine, client) -> dict:
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
     flat_of = {}  # stage 0 with bf16/fp16: DeepSpeed's FP16_Optimizer keeps one flat fp32 group
-    for i, group in enumerate(getattr(opt, "fp16_groups", [])):
+    for i, group in enumerate(opt.fp16_groups if hasattr(opt, "fp32_groups_flat") else []):
         offset = 0
         for p in group:
             flat_of[id(p)] = (opt.fp32_groups_flat[i], offset)
@@ -163,11 +163,9 @@ def _ds_expected(engine, client) -> dict:
             tensors[f"optim/{key}/{name}"] = value.detach().float().cpu().clone()
     for name, b in engine.module.named_buffers():
         tensors[f"buffer/{name}"] = b.detach().float().cpu().clone()
-    for group in inner.param_groups:
-        for p in group["params"]:
-            st = inner.state.get(p, {}) if torch.is_tensor(p) else {}
-            if "step" in st:
-                steps = max(steps, int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"]))
+    for st in inner.state.values():  # ZeRO-3 empties its param groups between steps: every state
+        if "step" in st:
+            steps = max(steps, int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"]))
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     return {"tensors": tensors, "info": {
         "step": steps, "lr_scheduler": sched, "global_steps": engine.global_steps,
@@ -259,14 +257,16 @@ def write_fixtures(args) -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for stage, dp, precision in FIXTURE_CASES:
+            if args.only and f"z{stage}_dp{dp}_{precision}" not in args.only.split(","):
+                continue
             exp_path = tmp / f"expected-{stage}-{dp}-{precision}.pt"
             ckpt, ref = ds_save(tmp, stage, dp, precision, expected=str(exp_path))
             name = f"z{stage}_dp{dp}_{precision}"
             dest = FIXTURES / name
             shutil.rmtree(dest, ignore_errors=True)
             shutil.copytree(ckpt, dest / "ckpt")
-            for junk in (dest / "ckpt").rglob("zero_to_fp32.py"):
-                junk.unlink()  # DeepSpeed's script: not ours to commit, not needed
+            for junk in [*(dest / "ckpt").rglob("zero_to_fp32.py"), *(dest / "ckpt").rglob("zero_to_torch.py")]:
+                junk.unlink()  # DeepSpeed's scripts: not ours to commit, not needed
             expected = torch.load(exp_path, weights_only=False)
             save_file({k: v.contiguous() for k, v in expected["tensors"].items()},
                       str(dest / "expected.safetensors"))
@@ -289,6 +289,7 @@ def main() -> None:
                    help='optimizer.params.torch_adam: DeepSpeed steps with torch.optim.AdamW, not its '
                         'CPU FusedAdam kernel')
     p.add_argument("--write-fixtures", action="store_true", help="write the CI fixtures")
+    p.add_argument("--only", help="with --write-fixtures: these cases only (z3_dp2_fp32,...)")
     args = p.parse_args()
     if args.worker:
         _worker(args)

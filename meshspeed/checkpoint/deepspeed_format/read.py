@@ -386,7 +386,8 @@ def read_tag(files: TagFiles, tp_rank: int = 0) -> DeepSpeedCheckpoint:
     if not isinstance(header, dict) or "module" not in header:
         raise CheckpointError(f"{files.model[(0, tp_rank)]} is not a DeepSpeed model states file "
                               "(it has no 'module' entry)")
-    dp = files.dp_size
+    # the saved dp size says how many optimizer files there must be (a missing one is named)
+    dp = int(header.get("dp_world_size") or files.dp_size)
     optim = []
     for d in range(dp if files.optim else 0):
         if (d, tp_rank) not in files.optim:
