@@ -21,13 +21,12 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from meshspeed.checkpoint.atomic import fsync_dir, temp_name
 from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
-
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ def fragment_address(numel: int, start: int) -> DSObject:
 
 
 def _global(pickler: pickle._Pickler, module: str, name: str) -> None:
-    pickler.write(pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8"))
+    pickler.write(pickle.GLOBAL + f"{module}\n{name}\n".encode())
 
 
 def _save_object(pickler: pickle._Pickler, obj: DSObject) -> None:
@@ -87,7 +86,7 @@ def _save_enum(pickler: pickle._Pickler, obj: DSEnum) -> None:
 class Pickler(pickle._Pickler):
     """pickle's Python pickler plus the stand-ins (torch.save subclasses it)."""
 
-    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)
     dispatch[DSObject] = _save_object
     dispatch[DSEnum] = _save_enum
 

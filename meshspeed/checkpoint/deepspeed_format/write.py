@@ -100,7 +100,7 @@ def _step(meta: dict, name: str) -> int:
     saved = meta["params"][name].get("optimizer_scalars", {}).get("step")
     if saved is None:
         return 0
-    return int(round(float(saved["value"] if isinstance(saved, dict) else saved)))
+    return round(float(saved["value"] if isinstance(saved, dict) else saved))
 
 
 def _ds_options(meta: dict, options: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +176,7 @@ def _fill(store: SavedTensors, kind: str, part: layout.Partition) -> torch.Tenso
 
 
 # -- the model-states file --------------------------------------------------------------------
-def _module(store: SavedTensors, target: Target, placeholders: bool) -> "OrderedDict[str, torch.Tensor]":
+def _module(store: SavedTensors, target: Target, placeholders: bool) -> OrderedDict[str, torch.Tensor]:
     """The module's state_dict in the compute dtype (ZeRO 3: empty parameter placeholders)."""
     meta = store.meta
     aliases: dict[str, list[str]] = {}
