@@ -20,7 +20,7 @@ from meshspeed.checkpoint.deepspeed_format.consolidate import (
     convert_deepspeed,
     deepspeed_state_dict,
 )
-from meshspeed.checkpoint.deepspeed_format.layout import find_tag
+from meshspeed.checkpoint.deepspeed_format.discover import find_tag
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import resolve
 from meshspeed.checkpoint.reshard import SavedTensors, verify_files

@@ -20,7 +20,7 @@ from meshspeed import comm
 from meshspeed.checkpoint import pending
 from meshspeed.checkpoint.agree import everywhere, same_everywhere
 from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
-from meshspeed.checkpoint.deepspeed_format.layout import find_tag
+from meshspeed.checkpoint.deepspeed_format.discover import find_tag
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta

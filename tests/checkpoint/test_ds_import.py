@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from meshspeed.checkpoint import CheckpointError, consolidate, convert
-from meshspeed.checkpoint.deepspeed_format.layout import find_tag
+from meshspeed.checkpoint.deepspeed_format.discover import find_tag
 from meshspeed.checkpoint.deepspeed_format.read import read_tag
 from meshspeed.testing.harness import run_distributed
 from tests.checkpoint import ds_workers

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshspeed.checkpoint import CheckpointError, consolidate
-from meshspeed.checkpoint.deepspeed_format.layout import find_tag
+from meshspeed.checkpoint.deepspeed_format.discover import find_tag
 from meshspeed.checkpoint.deepspeed_format.read import read_tag
 from meshspeed.checkpoint.deepspeed_format.unpickle import DeepSpeedRecord, load_torch_file
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from meshspeed.checkpoint.deepspeed_format.layout import TagFiles
+from meshspeed.checkpoint.deepspeed_format.discover import TagFiles
 from meshspeed.checkpoint.deepspeed_format.read import read_tag
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
 

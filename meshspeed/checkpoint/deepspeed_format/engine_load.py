@@ -18,7 +18,7 @@ from typing import Any
 from meshspeed import comm
 from meshspeed.checkpoint.agree import everywhere, one_line
 from meshspeed.checkpoint.atomic import remove_tree
-from meshspeed.checkpoint.deepspeed_format.layout import TagFiles
+from meshspeed.checkpoint.deepspeed_format.discover import TagFiles
 from meshspeed.checkpoint.deepspeed_format.read import read_tag
 from meshspeed.checkpoint.deepspeed_format.to_meshspeed import write_meshspeed_tag
 from meshspeed.checkpoint.errors import CheckpointError

@@ -1,96 +1,105 @@
-"""Finding a DeepSpeed checkpoint on disk: the tag directory and its files.
+"""DeepSpeed 0.19's checkpoint file names and how ZeRO lays parameters out in flat partitions.
 
-    <save_dir>/latest                               the tag (text)
-    <save_dir>/<tag>/mp_rank_00_model_states.pt     stages 0-2: weights, counters, client state
-    <tag>/zero_pp_rank_<d>_mp_rank_00_model_states.pt      stage 3: one per dp rank
-    <tag>/[bf16_]zero_pp_rank_<d>_mp_rank_00_optim_states.pt  ZeRO: one per dp rank
-    <tag>/layer_<LL>-model_states.pt                a pipeline's layers
-    <tag>/zero/<param>/fp32.pt                      a universal checkpoint (ds_to_universal)
-
-`mp_rank_XX` is the tensor-parallel rank. Only names are read here; no file is opened.
+Note [DeepSpeed's flat partitions]
+ZeRO 1/2: each optimizer param group's trainable parameters, in group order, are
+concatenated into one flat buffer, padded at the end to a multiple of 2 * dp (the
+alignment DeepSpeed keeps for NCCL), and cut into dp equal partitions; rank r's
+partition is [r * P, (r + 1) * P). Its file holds the fp32 masters of the partition
+without the trailing padding (`group_paddings[r]` elements, only the last ranks have
+any), and the optimizer moments of the whole partition, padding included.
+ZeRO 3: every parameter is cut on its own into dp pieces of ceil(numel / dp) elements
+(the last piece zero-padded); rank r's flat buffer of a sub-group is its pieces of the
+sub-group's parameters, concatenated. A param group is split into sub-groups once the
+pieces reach `sub_group_size` elements.
+The tests check these against files DeepSpeed 0.19.8 wrote (golden JSON).
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from meshspeed.checkpoint.errors import CheckpointError
-
-_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_LAYER = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$|^layer_(\d+)-model_states\.pt$")
+LATEST = "latest"
+MP_RANK = 0  # no tensor parallelism in what this writer produces
+ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor
 
 
-@dataclass
-class TagFiles:
-    """The files of one DeepSpeed tag directory, by kind and rank."""
+def model_states_name(stage: int, dp_rank: int) -> str:
+    """Rank dp_rank's model-states file (under ZeRO 3 every rank has one; else one only)."""
+    if stage == 3:
+        return f"zero_pp_rank_{dp_rank}_mp_rank_{MP_RANK:02d}_model_states.pt"
+    return f"mp_rank_{MP_RANK:02d}_model_states.pt"
 
-    path: str
-    model: dict[tuple[int, int], str] = field(default_factory=dict)  # (dp, tp) -> file (dp 0 below stage 3)
-    optim: dict[tuple[int, int], str] = field(default_factory=dict)  # (dp, tp) -> file
-    layers: dict[tuple[int, int], str] = field(default_factory=dict)  # (layer, tp) -> file
-    universal: bool = False
+
+def optim_states_name(dp_rank: int, bf16: bool) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{MP_RANK:02d}_optim_states.pt"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, end) of parameter `name` at `offset` in a rank's flat buffer."""
+
+    name: str
+    start: int
+    end: int
+    offset: int
 
     @property
-    def tp_size(self) -> int:
-        return 1 + max([tp for _, tp in self.model] or [0])
-
-    @property
-    def dp_size(self) -> int:
-        return 1 + max([dp for dp, _ in self.optim] or [0])
+    def numel(self) -> int:
+        return self.end - self.start
 
 
-def scan(path: str) -> TagFiles | None:
-    """The DeepSpeed files in `path`, or None when it holds none."""
-    if not os.path.isdir(path):
-        return None
-    found = TagFiles(path)
-    for name in sorted(os.listdir(path)):
-        if m := _MODEL.match(name):
-            found.model[(int(m.group(1) or 0), int(m.group(2)))] = os.path.join(path, name)
-        elif m := _OPTIM.match(name):
-            found.optim[(int(m.group(2)), int(m.group(3)))] = os.path.join(path, name)
-        elif m := _LAYER.match(name):
-            layer = int(m.group(1) if m.group(1) is not None else m.group(3))
-            tp = int(m.group(2)) if m.group(2) is not None else 0
-            found.layers[(layer, tp)] = os.path.join(path, name)
-    found.universal = bool(glob.glob(os.path.join(glob.escape(path), "zero", "*", "fp32.pt")))
-    if not found.model and not found.layers:
-        return None
-    return found
+@dataclass(frozen=True)
+class Partition:
+    """One rank's flat buffer of one group: `numel` elements (padding included), of which
+    the last `padding` hold no parameter."""
+
+    pieces: list[Piece]
+    numel: int
+    padding: int
 
 
-def find_tag(load_dir: str, tag: str | None) -> TagFiles | None:
-    """The DeepSpeed tag to load from `load_dir` (its `latest`, or `tag`), or `load_dir`
-    itself when it is a tag directory; None when `load_dir` is not a DeepSpeed checkpoint.
-    A `latest` that names a missing tag is a CheckpointError."""
-    load_dir = os.fspath(load_dir)
-    if tag is None:
-        here = scan(load_dir)
-        if here is not None:
-            return here
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            return None
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-        if os.path.isfile(os.path.join(load_dir, tag, "meta.json")):
-            return None  # a meshspeed checkpoint
-        if not tag or "/" in tag or tag in (".", ".."):
-            return None
-        found = scan(os.path.join(load_dir, tag))
-        if found is None and os.path.isdir(os.path.join(load_dir, tag)) and _looks_deepspeed(load_dir):
-            raise CheckpointError(f"{os.path.join(load_dir, tag)} (named by {latest}) holds no DeepSpeed "
-                                  "model states file (mp_rank_00_model_states.pt); the checkpoint is "
-                                  "incomplete, pass another tag")
-        return found
-    if "/" in str(tag) or str(tag) in (".", ".."):
-        return None
-    return scan(os.path.join(load_dir, str(tag)))
+def flat_partitions(params: list[tuple[str, int]], dp: int) -> list[Partition]:
+    """ZeRO 1/2: every rank's partition of one param group (Note [DeepSpeed's flat partitions])."""
+    total = sum(n for _, n in params)
+    align = ALIGNMENT_FACTOR * dp
+    padded = -(-total // align) * align
+    size = padded // dp
+    out = []
+    for r in range(dp):
+        lo, hi = r * size, (r + 1) * size
+        pieces, pos = [], 0
+        for name, n in params:
+            a, b = max(lo, pos), min(hi, pos + n)
+            if a < b:
+                pieces.append(Piece(name, a - pos, b - pos, a - lo))
+            pos += n
+        out.append(Partition(pieces, size, hi - max(lo, min(hi, total))))
+    return out
 
 
-def _looks_deepspeed(load_dir: str) -> bool:
-    return any(scan(d) is not None for d in glob.glob(os.path.join(glob.escape(load_dir), "*")))
+def sub_groups(params: list[tuple[str, int]], dp: int, sub_group_size: int) -> list[list[tuple[str, int]]]:
+    """ZeRO 3: the sub-groups of one param group (DeepSpeed counts partition sizes)."""
+    total = sum(-(-n // dp) for _, n in params)
+    if sub_group_size is None or sub_group_size >= total:
+        return [list(params)]
+    groups, current, size = [], [], 0
+    for i, (name, n) in enumerate(params):
+        current.append((name, n))
+        size += -(-n // dp)
+        if size >= sub_group_size or i == len(params) - 1:
+            groups.append(current)
+            current, size = [], 0
+    return groups
+
+
+def param_partition(params: list[tuple[str, int]], dp: int, rank: int) -> Partition:
+    """ZeRO 3: rank `rank`'s flat buffer of one sub-group."""
+    pieces, offset, padding = [], 0, 0
+    for name, n in params:
+        size = -(-n // dp)
+        a, b = min(rank * size, n), min((rank + 1) * size, n)
+        if a < b:
+            pieces.append(Piece(name, a, b, offset))
+        padding += size - (b - a)
+        offset += size
+    return Partition(pieces, offset, padding)

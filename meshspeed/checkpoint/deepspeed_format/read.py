@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from meshspeed.checkpoint.deepspeed_format.layout import TagFiles
+from meshspeed.checkpoint.deepspeed_format.discover import TagFiles
 from meshspeed.checkpoint.deepspeed_format.unpickle import load_torch_file
 from meshspeed.checkpoint.errors import CheckpointError
 
