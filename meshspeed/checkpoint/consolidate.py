@@ -16,6 +16,11 @@ from collections.abc import Iterator
 
 import torch
 
+from meshspeed.checkpoint.deepspeed_format.consolidate import (
+    convert_deepspeed,
+    deepspeed_state_dict,
+)
+from meshspeed.checkpoint.deepspeed_format.discover import find_tag
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import resolve
 from meshspeed.checkpoint.reshard import SavedTensors, verify_files
@@ -72,7 +77,11 @@ def consolidate(ckpt_dir, tag: str | None = None, dtype: torch.dtype = torch.flo
     """Full parameters (fp32 masters cast to `dtype`) and persistent buffers by state_dict name.
 
     `ckpt_dir` is a save_dir (tag None: its `latest`) or a tag directory. Tied parameters
-    appear under every name, as the same tensor."""
+    appear under every name, as the same tensor. A DeepSpeed checkpoint directory (or tag)
+    gives its fp32 masters, as DeepSpeed's zero_to_fp32.py does."""
+    deepspeed_tag = find_tag(ckpt_dir, tag)
+    if deepspeed_tag is not None:
+        return deepspeed_state_dict(deepspeed_tag, dtype)
     store = _open(ckpt_dir, tag, verify)
     return {spec.name: t for spec, t in _tensors(store, _plan(store.meta, dtype), dtype)}
 
@@ -83,6 +92,9 @@ def convert(ckpt_dir, out_path: str, tag: str | None = None, dtype: torch.dtype 
     # parameter-sized buffers come and go one after another: with glibc's sliding mmap
     # threshold they would stay in the heap (Note [a fixed mmap threshold for CPU training])
     tune_host_allocator()
+    deepspeed_tag = find_tag(ckpt_dir, tag)
+    if deepspeed_tag is not None:  # DeepSpeed's layout: what its zero_to_fp32.py writes
+        return convert_deepspeed(deepspeed_tag, out_path, dtype)
     store = _open(ckpt_dir, tag, verify)
     plan = _plan(store.meta, dtype)
     with TensorFileWriter(str(out_path), [spec for spec, _, _ in plan], metadata={"format": "pt"}) as w:

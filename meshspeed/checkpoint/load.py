@@ -19,6 +19,8 @@ import torch
 from meshspeed import comm
 from meshspeed.checkpoint import pending
 from meshspeed.checkpoint.agree import everywhere, same_everywhere
+from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
+from meshspeed.checkpoint.deepspeed_format.discover import find_tag
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
@@ -162,7 +164,8 @@ def _load_loop_state(engine, meta: dict, store: SavedTensors, load_scheduler: bo
     engine.global_samples, engine.skipped_steps = c["global_samples"], c["skipped_steps"]
     _load_data_position(engine, meta["data"])
     mine = [r for r in meta["ranks"] if r["rank"] == comm.get_rank()]
-    if mine and engine.config.checkpoint.load_rng_state:  # a new rank keeps its RNG state
+    # a new rank keeps its RNG state; an imported DeepSpeed checkpoint has none
+    if mine and mine[0].get("rng") is not None and engine.config.checkpoint.load_rng_state:
         restore_rng(mine[0]["rng"], lambda key: store.read(mine[0]["file"], key))
     _load_rank_state(engine, meta, store, mine[0] if mine else None)
 
@@ -215,6 +218,12 @@ def _client_state(meta: dict, store: SavedTensors) -> Any:
     return decode_client_state(meta["client_state"], tensors)
 
 
+def _same_kind(deepspeed_tag, load_dir) -> None:
+    if deepspeed_tag is None:
+        raise CheckpointError(f"{load_dir} is a DeepSpeed checkpoint on other ranks but not on this "
+                              "one; the checkpoint must be on a file system every rank shares")
+
+
 def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str, Any]:
@@ -225,6 +234,15 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     `checkpoint.auto_resume` and no tag, loads the newest complete checkpoint and returns
     `(None, None)` when there is none yet (Note [what auto_resume loads], resume.py)."""
     pending.wait_for_pending(engine)
+    # a DeepSpeed checkpoint (its `latest` or tag holds mp_rank_*_model_states.pt): converted,
+    # then loaded by this function (Note [importing through meshspeed's format])
+    deepspeed_tag = everywhere(find_tag, load_dir, tag)
+    if any(comm.all_gather_object(deepspeed_tag is not None)):
+        everywhere(_same_kind, deepspeed_tag, load_dir)
+        return load_deepspeed(engine, deepspeed_tag, load_checkpoint, load_module_strict=load_module_strict,
+                              load_optimizer_states=load_optimizer_states,
+                              load_lr_scheduler_states=load_lr_scheduler_states,
+                              load_module_only=load_module_only)
     if tag is None and engine.config.checkpoint.auto_resume and not os.path.isfile(
             os.path.join(os.fspath(load_dir), META)):
         tag = resume_tag(load_dir)  # Note [what auto_resume loads]

@@ -136,6 +136,11 @@ def publish(tmp: str, save_dir: str, tag: str, meta: dict, markers: list[dict],
     write_json(os.path.join(tmp, META), meta)
     for r in range(len(markers)):
         os.remove(os.path.join(tmp, rank_marker(r)))
+    if (meta.get("config") or {}).get("checkpoint", {}).get("format") == "deepspeed":
+        # Note [a DeepSpeed trail in a meshspeed save]; imported here: the exporter uses prepare()
+        from meshspeed.checkpoint.deepspeed_format.trail import write_trail
+
+        write_trail(tmp, meta)
     final = os.path.join(save_dir, tag)
     _test_pause("before_publish")
     publish_dir(tmp, final)

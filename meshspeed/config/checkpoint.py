@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import model_validator
 
@@ -27,6 +27,10 @@ class CheckpointConfig(StrictModel):
     load_universal: bool = False  # load a universal (topology-free) checkpoint
     use_node_local_storage: bool = False  # each node writes to its own disk
     parallel_write: dict[str, Any] | None = None  # e.g. {"pipeline_stage": true}
+    # meshspeed: "deepspeed" also writes DeepSpeed 0.19's files (mp_rank_00_model_states.pt,
+    # zero_pp_rank_<r>_...) into each saved tag, for a DeepSpeed-readable trail; meshspeed
+    # still loads its own files there (Note [a DeepSpeed trail in a meshspeed save])
+    format: Literal["meshspeed", "deepspeed"] = "meshspeed"
 
     @model_validator(mode="after")
     def _dir_is_read_by_auto_resume(self):
