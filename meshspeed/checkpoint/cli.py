@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from meshspeed.checkpoint.consolidate import DTYPES, convert
+from meshspeed.checkpoint.deepspeed_format.write import export
 from meshspeed.checkpoint.errors import CheckpointError
 
 
@@ -30,7 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _to_deepspeed(args: argparse.Namespace) -> int:
-    from meshspeed.checkpoint.deepspeed_format.write import export
 
     summary = export(args.checkpoint, args.output, tag=args.tag, dp=args.dp, zero_stage=args.zero_stage,
                      verify=not args.no_verify)

@@ -137,7 +137,8 @@ def publish(tmp: str, save_dir: str, tag: str, meta: dict, markers: list[dict],
     for r in range(len(markers)):
         os.remove(os.path.join(tmp, rank_marker(r)))
     if (meta.get("config") or {}).get("checkpoint", {}).get("format") == "deepspeed":
-        # Note [a DeepSpeed trail in a meshspeed save]; imported here: the exporter uses prepare()
+        # Note [a DeepSpeed trail in a meshspeed save]
+        # lazy: the exporter imports this module (prepare()); a top-level import is a cycle
         from meshspeed.checkpoint.deepspeed_format.trail import write_trail
 
         write_trail(tmp, meta)

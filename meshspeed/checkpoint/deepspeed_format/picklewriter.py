@@ -19,6 +19,7 @@ ever resolves them, and reading them back is the other direction's restricted un
 from __future__ import annotations
 
 import os
+import sys
 import pickle
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -97,7 +98,6 @@ HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 def save(obj: Any, path: str) -> int:
     """torch.save `obj` to `path` atomically (temp name, fsync, rename); returns the size."""
-    import sys
 
     tmp = temp_name(path)
     try:

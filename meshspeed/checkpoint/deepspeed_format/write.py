@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from meshspeed.checkpoint.atomic import publish_dir, write_text
+from meshspeed.checkpoint.atomic import publish_dir, remove_tree, write_text
 from meshspeed.checkpoint.deepspeed_format import layout, picklewriter
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import decode_client_state
@@ -397,7 +397,6 @@ def export(ckpt_dir, out_dir, tag: str | None = None, out_tag: str | None = None
         final = os.path.join(out_dir, out_tag)
         publish_dir(tmp, final)
     except BaseException:
-        from meshspeed.checkpoint.atomic import remove_tree
         remove_tree(tmp)
         raise
     if save_latest:
