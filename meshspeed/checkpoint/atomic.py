@@ -37,36 +37,28 @@ def fsync_dir(path: str) -> None:
 
 def write_text(path: str, text: str) -> None:
     """Atomically replace `path` with `text`."""
-    tmp = temp_name(path)
-    try:
+    def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise CheckpointError(describe_os_error(err, path, "write")) from err
-    fsync_dir(os.path.dirname(path) or ".")
+
+    write_with(path, write)
 
 
 def write_with(path: str, write: Callable[[str], None]) -> None:
     """Atomically replace `path` with what `write(temp_path)` writes (torch.save, safetensors'
-    save_file, ...): concurrent writers of one path each publish a complete file."""
+    save_file, ...): concurrent writers of one path each publish a complete file. An OSError
+    becomes a CheckpointError naming `path`; on any failure the temporary file is removed."""
     tmp = temp_name(path)
     try:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise CheckpointError(describe_os_error(err, path, "write")) from err
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if isinstance(err, OSError):
+            raise CheckpointError(describe_os_error(err, path, "write")) from err
         raise
     fsync_dir(os.path.dirname(path) or ".")
 

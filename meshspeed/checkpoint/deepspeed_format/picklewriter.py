@@ -19,15 +19,14 @@ ever resolves them, and reading them back is the other direction's restricted un
 from __future__ import annotations
 
 import os
-import sys
 import pickle
+import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from meshspeed.checkpoint.atomic import fsync_dir, temp_name
-from meshspeed.checkpoint.errors import CheckpointError, describe_os_error
+from meshspeed.checkpoint.atomic import write_with
 
 
 @dataclass(frozen=True)
@@ -98,17 +97,5 @@ HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 def save(obj: Any, path: str) -> int:
     """torch.save `obj` to `path` atomically (temp name, fsync, rename); returns the size."""
-
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f, pickle_module=sys.modules[__name__], pickle_protocol=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise CheckpointError(describe_os_error(err, path, "write")) from err
-    fsync_dir(os.path.dirname(path) or ".")
+    write_with(path, lambda tmp: torch.save(obj, tmp, pickle_module=sys.modules[__name__], pickle_protocol=2))
     return os.path.getsize(path)
