@@ -112,9 +112,19 @@ def train(engine, first: int, last: int, rank: int, dp: int) -> list[float]:
 def _ds_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     enter_rank(rank, world, port)
     import deepspeed
-    import torch
 
     deepspeed.init_distributed(dist_backend="gloo")
+    result = ds_save_and_resume(rank, world, plan)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def ds_save_and_resume(rank: int, world: int, plan: dict) -> dict:
+    """DeepSpeed (process group up) trains SAVE_AT steps, saves to plan["ckpt"], loads it into a
+    fresh engine and trains MORE steps: {"before": losses, "after": losses}."""
+    import deepspeed
+    import torch
+
     cfg = ds_config(plan["stage"], world, plan["precision"], plan.get("torch_adam", False))
     model = build_model(0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -127,10 +137,9 @@ def _ds_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     engine2, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=cfg)
     engine2.load_checkpoint(plan["ckpt"])
     after = train(engine2, SAVE_AT, SAVE_AT + MORE, rank, world)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"before": before, "after": after}))
     if expected is not None and rank == 0:
         torch.save(expected, plan["expected"])  # read back by the parent (anchor-made, trusted)
+    return {"before": before, "after": after}
 
 
 def _ds_expected(engine, client) -> dict:
@@ -178,6 +187,13 @@ def _ds_expected(engine, client) -> dict:
 # -- meshspeed side -----------------------------------------------------------------------------
 def _ms_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     enter_rank(rank, world, port)
+    result = ms_resume(rank, world, plan)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def ms_resume(rank: int, world: int, plan: dict) -> dict:
+    """meshspeed loads plan["ckpt"] (DeepSpeed's files) into a fresh engine and trains MORE steps."""
     import meshspeed
 
     cfg = ds_config(plan["stage"], world, plan["precision"], plan.get("torch_adam", False))
@@ -185,9 +201,7 @@ def _ms_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     _, client = engine.load_checkpoint(plan["ckpt"])
     after = train(engine, SAVE_AT, SAVE_AT + MORE, rank, world)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"after": after, "global_steps": engine.global_steps,
-                                         "client_epoch": client.get("epoch")}))
+    return {"after": after, "global_steps": engine.global_steps, "client_epoch": client.get("epoch")}
 
 
 def _worker(args) -> None:
