@@ -94,7 +94,7 @@ def measure(name: str, tmp: Path, ms_env: dict[str, str], ds_env: dict[str, str]
            "ds_full": ds_full, "ms_full": ms_full,
            "ds_ckpt": {"deepspeed": ds_on_ds, "meshspeed": ms_on_ds, "max_rel": relative(ms_on_ds, ds_on_ds)},
            "ms_ckpt": {"meshspeed": ms_on_ms, "deepspeed": ds_on_ms, "max_rel": relative(ds_on_ms, ms_on_ms)}}
-    fmt = lambda d: ", ".join(f"{d[s]:.8f}" for s in sorted(d))  # noqa: E731
+    fmt = lambda d: ", ".join(f"{d[s]:.8f}" for s in sorted(d))
     print(f"| {name} | DeepSpeed | {fmt(ds_on_ds)} | {fmt(ms_on_ds)} | {row['ds_ckpt']['max_rel']:.1e} |\n"
           f"| {name} | meshspeed | {fmt(ds_on_ms)} | {fmt(ms_on_ms)} | {row['ms_ckpt']['max_rel']:.1e} |", flush=True)
     return row
