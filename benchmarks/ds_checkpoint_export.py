@@ -28,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ANCHOR_PY = "/root/.cache/meshspeed-anchors/bin/python"
 GOLDEN = REPO / "tests/checkpoint/fixtures/deepspeed/golden"
-CASES = [(s, dp, "fp32") for s in (0, 1, 2, 3) for dp in (1, 2)] + [(0, 1, "bf16"), (1, 2, "bf16"), (3, 2, "bf16")]
+CASES = ([(s, dp, "fp32") for s in (0, 1, 2, 3) for dp in (1, 2)] + [(0, 1, "bf16"), (1, 2, "bf16"), (3, 2, "bf16")]
+         + [(0, 1, "fp16"), (1, 2, "fp16"), (2, 1, "fp16"), (3, 2, "fp16")])
 GOLDEN_CASES = [(1, 2, "fp32"), (3, 2, "fp32"), (0, 1, "bf16")]
 ROWS = 4  # rows per optimizer step, split over dp
 
@@ -58,10 +59,31 @@ def config(stage: int, dp: int, dtype: str) -> dict:
            "zero_optimization": {"stage": stage}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # 2^15: the scale grows right after the load, then overflows (hysteresis, drop)
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 15, "loss_scale_window": 2, "hysteresis": 2}
     return cfg
 
 
-def train(engine, rank: int, dp: int, first: int, last: int, dtype: str) -> list[float]:
+def loss_scale(engine) -> float | None:
+    """The current loss scale (fp16) on either side."""
+    if hasattr(engine, "loss_scaler"):  # meshspeed
+        return float(engine.loss_scaler.scale)
+    opt = engine.optimizer  # DeepSpeed: ZeRO keeps a LossScaler object, FP16_Optimizer a config
+    held = getattr(opt, "loss_scaler", None) or getattr(opt, "loss_scale_config", None)
+    return float(held.cur_scale) if held is not None else None
+
+
+def allow_fp16_on_cpu() -> None:
+    """DeepSpeed 0.19.8's CPU accelerator says it has no fp16 and `initialize` refuses an fp16
+    config, though torch computes fp16 on CPU: turned on here so DeepSpeed loads and trains
+    the fp16 exports (nothing else of DeepSpeed's is changed)."""
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+
+
+def train(engine, rank: int, dp: int, first: int, last: int, dtype: str,
+          scales: list | None = None) -> list[float]:
     import torch
     import torch.distributed as dist
 
@@ -71,14 +93,17 @@ def train(engine, rank: int, dp: int, first: int, last: int, dtype: str) -> list
         x, y = torch.randn(ROWS, 5, generator=g), torch.randn(ROWS, 3, generator=g)
         rows = slice(rank * ROWS // dp, (rank + 1) * ROWS // dp)
         x, y = x[rows], y[rows]
-        if dtype == "bf16":
-            x, y = x.bfloat16(), y.bfloat16()
+        if dtype in ("bf16", "fp16"):
+            low = torch.bfloat16 if dtype == "bf16" else torch.float16
+            x, y = x.to(low), y.to(low)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         t = loss.detach().float().reshape(1)
         dist.all_reduce(t)
         losses.append(t.item() / dp)
+        if scales is not None:
+            scales.append(loss_scale(engine))
     return losses
 
 
@@ -99,7 +124,8 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
 
         m = model()
         a, *_ = meshspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
-        out["first"] = train(a, rank, dp, 0, 2, dtype)
+        out["first_scales"] = []
+        out["first"] = train(a, rank, dp, 0, 2, dtype, out["first_scales"])
         a.save_checkpoint(str(work / "ms"), client_state={"note": "hi"})
         if rank == 0:
             export(str(work / "ms"), str(work / "ds"))
@@ -108,16 +134,20 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
         m = model()
         b, *_ = meshspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
         b.load_checkpoint(str(work / "ms"))
-        out["after"] = train(b, rank, dp, 2, 5, dtype)
+        out["loaded_scale"], out["scales"] = loss_scale(b), []
+        out["after"] = train(b, rank, dp, 2, 5, dtype, out["scales"])
     elif job["side"] == "deepspeed":
         import deepspeed
 
+        if dtype == "fp16":
+            allow_fp16_on_cpu()
         m = model()
         e, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
         _, client = e.load_checkpoint(str(work / "ds"))
         out["client_note"] = client.get("note")
         out["global_steps"] = e.global_steps
-        out["after"] = train(e, rank, dp, 2, 5, dtype)
+        out["loaded_scale"], out["scales"] = loss_scale(e), []
+        out["after"] = train(e, rank, dp, 2, 5, dtype, out["scales"])
         if rank == 0 and stage > 0:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -128,6 +158,8 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
     else:  # golden: DeepSpeed trains and saves the same run itself
         import deepspeed
 
+        if dtype == "fp16":
+            allow_fp16_on_cpu()
         m = model()
         e, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
         train(e, rank, dp, 0, 2, dtype)
@@ -190,6 +222,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--write-golden", action="store_true")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="these cases only")
     args = p.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
@@ -197,7 +230,7 @@ def main() -> None:
     if args.write_golden:
         write_golden()
         return
-    for stage, dp, dtype in CASES:
+    for stage, dp, dtype in [c for c in CASES if args.dtype in (None, c[2])]:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             ms = run("meshspeed", stage, dp, dtype, work)
@@ -208,6 +241,9 @@ def main() -> None:
               f"DeepSpeed {fmt(ds['after'])}  max rel diff {rel:.2e}  "
               f"zero_to_fp32 exact: {ds.get('zero_to_fp32_exact', 'n/a (stage 0)')}  "
               f"global_steps {ds['global_steps']} client_state note {ds['client_note']!r}", flush=True)
+        if dtype == "fp16":
+            print(f"    loss scale: meshspeed steps 1-2 {ms['first_scales']}, after load {ms['loaded_scale']} "
+                  f"-> {ms['scales']}; DeepSpeed after load {ds['loaded_scale']} -> {ds['scales']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -84,12 +84,15 @@ def ds_config(stage: int, dp: int, precision: str, torch_adam: bool = False) -> 
     if precision in ("bf16", "fp16"):
         cfg[precision] = {"enabled": True}
     if precision == "fp16":
-        cfg["fp16"].update({"initial_scale_power": 8, "loss_scale_window": 2})
+        # 2^17: ZeRO overflows on the first step (hysteresis 2 -> 1), so the saved scaler is mid-
+        # hysteresis and overflows again after the load; FusedAdam-less stage 0 grows instead
+        cfg["fp16"].update({"initial_scale_power": 17, "loss_scale_window": 2, "hysteresis": 2})
     return cfg
 
 
-def train(engine, first: int, last: int, rank: int, dp: int) -> list[float]:
-    """Steps [first, last): this rank's rows of each global batch; the global mean loss."""
+def train(engine, first: int, last: int, rank: int, dp: int, scales: list[float] | None = None) -> list[float]:
+    """Steps [first, last): this rank's rows of each global batch; the global mean loss.
+    `scales` gets the loss scale after each step (fp16)."""
     import torch
     import torch.distributed as dist
 
@@ -104,8 +107,29 @@ def train(engine, first: int, last: int, rank: int, dp: int) -> list[float]:
         total = loss.detach().float().reshape(1).clone()
         dist.all_reduce(total)
         losses.append(total.item() / dp)
+        if scales is not None:
+            scales.append(loss_scale(engine))
     del torch
     return losses
+
+
+def loss_scale(engine) -> float:
+    """The current loss scale, on either side."""
+    if hasattr(engine, "loss_scaler"):  # meshspeed
+        return float(engine.loss_scaler.scale)
+    opt = engine.optimizer  # DeepSpeed: ZeRO keeps a LossScaler object, FP16_Optimizer a config
+    scaler = getattr(opt, "loss_scaler", None) or getattr(opt, "loss_scale_config", None)
+    return float(scaler.cur_scale)
+
+
+def allow_fp16_on_cpu() -> None:
+    """DeepSpeed 0.19.8's CPU accelerator says it has no fp16 and `initialize` refuses an fp16
+    config ("Type fp16 is not supported on your device"), though torch computes in fp16 on
+    CPU. This benchmark turns that capability check on so DeepSpeed writes real fp16
+    checkpoints (ZeRO 0-3) here; nothing else of DeepSpeed's is changed."""
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True
 
 
 # -- DeepSpeed side (anchor venv) ---------------------------------------------------------------
@@ -121,14 +145,17 @@ def _ds_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
 
 def ds_save_and_resume(rank: int, world: int, plan: dict) -> dict:
     """DeepSpeed (process group up) trains SAVE_AT steps, saves to plan["ckpt"], loads it into a
-    fresh engine and trains MORE steps: {"before": losses, "after": losses}."""
+    fresh engine and trains MORE steps: {"before": losses, "after": losses, loss scales}."""
     import deepspeed
     import torch
 
+    if plan["precision"] == "fp16":
+        allow_fp16_on_cpu()
     cfg = ds_config(plan["stage"], world, plan["precision"], plan.get("torch_adam", False))
     model = build_model(0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    before = train(engine, 0, SAVE_AT, rank, world)
+    scales_before: list[float] = []
+    before = train(engine, 0, SAVE_AT, rank, world, scales_before)
     client = {"epoch": 3, "note": "from deepspeed", "offsets": torch.arange(4)}
     engine.save_checkpoint(plan["ckpt"], client_state=client)
     # what was saved, gathered (after a load DeepSpeed 0.19.8's ZeRO 1/2 fragment maps are unset)
@@ -136,10 +163,13 @@ def ds_save_and_resume(rank: int, world: int, plan: dict) -> dict:
     fresh = build_model(7)
     engine2, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=cfg)
     engine2.load_checkpoint(plan["ckpt"])
-    after = train(engine2, SAVE_AT, SAVE_AT + MORE, rank, world)
+    loaded_scale = loss_scale(engine2)
+    scales: list[float] = []
+    after = train(engine2, SAVE_AT, SAVE_AT + MORE, rank, world, scales)
     if expected is not None and rank == 0:
         torch.save(expected, plan["expected"])  # read back by the parent (anchor-made, trusted)
-    return {"before": before, "after": after}
+    return {"before": before, "after": after, "scales_before": scales_before,
+            "loaded_scale": loaded_scale, "scales": scales}
 
 
 def _ds_expected(engine, client) -> dict:
@@ -176,7 +206,10 @@ def _ds_expected(engine, client) -> dict:
         if "step" in st:
             steps = max(steps, int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"]))
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    held = getattr(opt, "loss_scaler", None)  # ZeRO's scaler object (fp16: the dynamic one)
+    scaler = {k: v for k, v in vars(held).items() if isinstance(v, (bool, int, float))} if held is not None else None
     return {"tensors": tensors, "info": {
+        "loss_scaler": scaler,
         "step": steps, "lr_scheduler": sched, "global_steps": engine.global_steps,
         "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
         "lr": [g["lr"] for g in opt.param_groups],
@@ -200,8 +233,11 @@ def ms_resume(rank: int, world: int, plan: dict) -> dict:
     model = build_model(7)
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     _, client = engine.load_checkpoint(plan["ckpt"])
-    after = train(engine, SAVE_AT, SAVE_AT + MORE, rank, world)
-    return {"after": after, "global_steps": engine.global_steps, "client_epoch": client.get("epoch")}
+    loaded_scale = loss_scale(engine)
+    scales: list[float] = []
+    after = train(engine, SAVE_AT, SAVE_AT + MORE, rank, world, scales)
+    return {"after": after, "global_steps": engine.global_steps, "loaded_scale": loaded_scale,
+            "scales": scales, "client_epoch": client.get("epoch")}
 
 
 def _worker(args) -> None:
@@ -236,6 +272,7 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 CASES = [  # (stage, dp, precision) saved by DeepSpeed
     (0, 1, "fp32"), (0, 2, "fp32"), (1, 2, "fp32"), (2, 1, "fp32"), (2, 2, "fp32"),
     (3, 1, "fp32"), (3, 2, "fp32"), (2, 2, "bf16"), (0, 1, "bf16"), (3, 2, "bf16"),
+    (2, 1, "fp16"), (1, 2, "fp16"), (3, 2, "fp16"),
 ]
 
 
@@ -260,7 +297,7 @@ def main_compare(args) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-FIXTURE_CASES = [(0, 1, "fp32"), (1, 2, "fp32"), (2, 2, "bf16"), (3, 2, "fp32"), (0, 1, "bf16")]
+FIXTURE_CASES = [(0, 1, "fp32"), (1, 2, "fp32"), (2, 2, "bf16"), (3, 2, "fp32"), (0, 1, "bf16"), (2, 1, "fp16")]
 
 
 def write_fixtures(args) -> None:
@@ -285,6 +322,7 @@ def write_fixtures(args) -> None:
             save_file({k: v.contiguous() for k, v in expected["tensors"].items()},
                       str(dest / "expected.safetensors"))
             info = {**expected["info"], "ds_losses_after_load": ref["after"],
+                    "ds_scale_after_load": ref["loaded_scale"], "ds_scales_after_load": ref["scales"],
                     "ds_losses_before_save": ref["before"], "zero_stage": stage, "dp": dp,
                     "precision": precision}
             (dest / "expected.json").write_text(json.dumps(info, indent=1) + "\n")

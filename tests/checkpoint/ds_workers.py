@@ -38,6 +38,8 @@ def config(stage: int, dp: int, precision: str) -> dict:
     }
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
+    if precision == "fp16":  # as benchmarks/ds_checkpoint_import.py's DeepSpeed run
+        cfg["fp16"].update({"initial_scale_power": 17, "loss_scale_window": 2, "hysteresis": 2})
     return cfg
 
 
@@ -47,7 +49,7 @@ def batches() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(steps, GLOBAL_ROWS, 6, generator=g), torch.randn(steps, GLOBAL_ROWS, 3, generator=g)
 
 
-def load_and_train(ckpt: str, stage: int, precision: str) -> dict:
+def load_and_train(ckpt: str, stage: int, precision: str, save_to: str | None = None) -> dict:
     """On every rank: a fresh engine (other initial weights) loads the DeepSpeed checkpoint
     and trains the 3 steps after it; the global mean losses and what was restored."""
     torch.set_num_threads(1)
@@ -60,11 +62,14 @@ def load_and_train(ckpt: str, stage: int, precision: str) -> dict:
     restored = {"path": path, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "lr": engine.optimizer.param_groups[0]["lr"], "client": {k: (v.tolist() if torch.is_tensor(v) else v)
                                                                       for k, v in client.items()},
-                "sched": engine.lr_scheduler.state_dict()["last_batch_iteration"]}
+                "sched": engine.lr_scheduler.state_dict()["last_batch_iteration"],
+                "scaler": engine.loss_scaler.state_dict()}
+    if save_to is not None:  # the loaded state, saved by meshspeed (to export it again)
+        engine.save_checkpoint(save_to)
     xs, ys = batches()
     micro = GLOBAL_ROWS // dp
     rows = slice(comm.get_rank() * micro, (comm.get_rank() + 1) * micro)
-    losses = []
+    losses, scales = [], []
     for step in range(SAVE_AT, SAVE_AT + MORE):
         loss = engine(xs[step][rows], ys[step][rows])
         engine.backward(loss)
@@ -72,4 +77,5 @@ def load_and_train(ckpt: str, stage: int, precision: str) -> dict:
         total = loss.detach().float().reshape(1).clone()
         comm.all_reduce(total)
         losses.append(total.item() / dp)
-    return {"losses": losses, **restored}
+        scales.append(engine.loss_scaler.scale)
+    return {"losses": losses, "scales": scales, **restored}

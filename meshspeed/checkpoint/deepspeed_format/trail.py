@@ -11,6 +11,16 @@ tag is complete, and asynchronous saves publish from a background thread that mu
 call collectives; the cost is that rank 0 reads the checkpoint back (just written, mostly
 from the page cache), holding one DeepSpeed file's tensors at a time. meshspeed's loader
 ignores the .pt files (it never unpickles anything).
+
+Note [the trail is asked for, not assumed]
+A Hugging Face Trainer running on meshspeed (through the alias) saves `checkpoint-<N>/`
+with `save_checkpoint`, so the same switch gives its folders DeepSpeed's files, and the
+user asks for it in the ds_config JSON the Trainer is given (`"checkpoint": {"format":
+"deepspeed"}`; DeepSpeed 0.19 ignores the key, so the one config serves both sides). It is
+not turned on by detecting the Trainer: the trail doubles every checkpoint's size and
+makes rank 0 read the whole checkpoint back at each save, a cost a run that stays on
+meshspeed should not pay unasked, and a folder saved without it can still be converted
+afterwards (`meshspeed convert --to deepspeed`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from meshspeed.checkpoint.atomic import publish_dir, remove_tree, write_text
-from meshspeed.checkpoint.deepspeed_format import layout, picklewriter
+from meshspeed.checkpoint.deepspeed_format import layout, picklewriter, scaler
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import decode_client_state
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
@@ -60,6 +60,11 @@ class Target:
     def bf16(self) -> bool:
         return self.dtype == torch.bfloat16
 
+    @property
+    def mixed(self) -> bool:
+        """bf16 or fp16: stage 0 wraps the optimizer in DeepSpeed's FP16_Optimizer."""
+        return self.dtype in (torch.bfloat16, torch.float16)
+
 
 @dataclass(frozen=True)
 class Group:
@@ -79,10 +84,9 @@ def target_for(meta: dict, dp: int | None, zero_stage: int | None, exclude_froze
                               f"{lay['tp_size']}); exporting to DeepSpeed supports tp 1 only: load it at "
                               "tp 1 in meshspeed, save, and export that")
     dtype = dtype_from_name(lay["compute_dtype"])
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"checkpoint {meta['tag']!r} trained in {lay['compute_dtype']}; exporting "
-                              "to DeepSpeed supports fp32 and bf16 runs (fp16's dynamic loss scaler is "
-                              "not written yet)")
+                              "to DeepSpeed supports fp32, bf16 and fp16 runs")
     dp = lay["dp_size"] if dp is None else int(dp)
     stage = lay["zero_stage"] if zero_stage is None else int(zero_stage)
     if dp < 1 or stage not in (0, 1, 2, 3):
@@ -263,13 +267,13 @@ def model_states(store: SavedTensors, target: Target, groups: list[Group], rank:
 
 # -- optimizer state --------------------------------------------------------------------------
 def stage0_optimizer(store: SavedTensors, target: Target, groups: list[Group]) -> dict:
-    """Stage 0: fp32 -> the base optimizer's own state_dict; bf16 -> DeepSpeed's
-    mixed-precision wrapper around it (flat fp32 groups)."""
+    """Stage 0: fp32 -> the base optimizer's own state_dict; bf16/fp16 -> DeepSpeed's
+    mixed-precision wrapper around it (flat fp32 groups; fp16 adds the loss scale)."""
     meta = store.meta
     fused = meta["optimizer"]["class"] == "FusedAdam"
     state, param_groups, flats, index = {}, [], [], 0
     for g in groups:
-        if target.bf16:
+        if target.mixed:
             part = layout.param_partition(g.params, 1, 0)
             entry = {s: _fill(store, f"optim/{s}", part) for s in g.states}
             state[index] = {**entry, "step": g.step}
@@ -289,9 +293,10 @@ def stage0_optimizer(store: SavedTensors, target: Target, groups: list[Group]) -
             index += 1
         param_groups.append({**g.options, "params": ids})
     base = {"state": state, "param_groups": param_groups}
-    if not target.bf16:
+    if not target.mixed:
         return base
-    return {"optimizer_state_dict": base, "fp32_groups_flat": flats, "clip_grad": _clip(meta)}
+    scale = scaler.stage0_keys(meta) if target.dtype == torch.float16 else {}  # Note [DeepSpeed's loss-scale counters]
+    return {**scale, "optimizer_state_dict": base, "fp32_groups_flat": flats, "clip_grad": _clip(meta)}
 
 
 def _clip(meta: dict) -> float:
@@ -311,8 +316,8 @@ def zero12_optimizer(store: SavedTensors, target: Target, groups: list[Group], r
         mappings.append(OrderedDict((p.name, picklewriter.fragment_address(p.numel, p.offset))
                                     for p in part.pieces))
     return {
-        "loss_scaler": picklewriter.loss_scaler(1.0),
-        "dynamic_loss_scale": False,
+        "loss_scaler": scaler.record(store.meta),
+        "dynamic_loss_scale": scaler.is_dynamic(store.meta),
         "overflow": False,
         "clip_grad": _clip(store.meta),
         "base_optimizer_state": {"state": state, "param_groups": param_groups},
@@ -340,8 +345,8 @@ def zero3_optimizer(store: SavedTensors, target: Target, groups: list[Group], ra
         param_groups.append({**g.options, "params": ids})
     return {
         "zero_stage": picklewriter.zero_stage(3),
-        "loss_scaler": picklewriter.loss_scaler(1.0),
-        "dynamic_loss_scale": False,
+        "loss_scaler": scaler.record(store.meta),
+        "dynamic_loss_scale": scaler.is_dynamic(store.meta),
         "overflow": False,
         "partition_count": target.dp,
         "optimizer_state_dict": {"state": state, "param_groups": param_groups},
