@@ -18,7 +18,8 @@ and 2 and trains the same steps.
     PYTHONPATH=. .venv/bin/python benchmarks/ds_checkpoint_pptp.py --write-fixtures
 
 `--write-fixtures` writes tests/checkpoint/fixtures/deepspeed/{pipe_pp2_z0, pipe_pp2_z1,
-universal_z2_dp2}/: the DeepSpeed checkpoint (a few KB) and `expected.json` with
+universal_z2_dp2}/: the DeepSpeed checkpoint (`ckpt/`, a few KB; for the universal one also
+`source/`, the ZeRO 2 checkpoint ds_to_universal converted) and `expected.json` with
 DeepSpeed's losses after loading, so CI checks the loading without DeepSpeed.
 """
 
@@ -226,7 +227,8 @@ def ds_universal(tmp: Path, stage: int, dp: int) -> tuple[Path, dict]:
     (uni / "latest").write_text(tag)
     got = _run(tmp, dp, {"deepspeed": True, "kind": "load_universal", "stage": stage, "ckpt": str(uni)},
                uni.name)
-    return uni, {"after": got["after"], "without_reload": plain["after"], "before": plain["before"]}
+    return uni, {"after": got["after"], "without_reload": plain["after"], "before": plain["before"],
+                 "source": str(ckpt)}
 
 
 def ms_load(tmp: Path, ckpt: Path, target: str, world: int, stage: int, name: str, **extra) -> dict:
@@ -297,6 +299,9 @@ def write_fixtures(args) -> None:
             uni, ref = ds_universal(tmp, 2, 2)
             dest = FIXTURES / "universal_z2_dp2"
             _copy(uni, dest)
+            shutil.copytree(ref["source"], dest / "source")  # the ZeRO checkpoint it was made from
+            for junk in [*(dest / "source").rglob("zero_to_fp32.py"), *(dest / "source").rglob("zero_to_torch.py")]:
+                junk.unlink()
             info = {"ds_losses_after_load": ref["after"], "ds_losses_before_save": ref["before"],
                     "ds_losses_without_reload": ref["without_reload"], "zero_stage": 2, "dp": 2,
                     "precision": "fp32"}
