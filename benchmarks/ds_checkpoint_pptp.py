@@ -1,4 +1,5 @@
-"""DeepSpeed pipeline and universal checkpoints loaded in meshspeed: the losses after loading.
+"""DeepSpeed pipeline, tensor-parallel and universal checkpoints loaded in meshspeed: the
+losses after loading.
 
 Pipeline: DeepSpeed 0.19.8 (the anchor venv) trains a 5-layer LayerSpec model (Linear 6->10,
 Tanh, Linear 10->8, Tanh, Linear 8->3; MSE loss) as a 2-stage PipelineModule (pp 2, dp 1,
@@ -7,6 +8,11 @@ engine loads the checkpoint and trains 3 more batches: the reference losses. mes
 loads the same directory into its PipelineModule at pp 2 and pp 1 and into a plain
 nn.Sequential of the same layers (names "0.weight", "2.weight", ... as the pipeline's),
 and trains the same 3 batches.
+
+Tensor-parallel: DeepSpeed trains a 1-layer Llama (transformers; hidden 16, vocab 32) with
+AutoTP (`"tensor_parallel": {"autotp_size": 2}`, ZeRO 1, fp32) for 2 steps, saves
+(mp_rank_00/01 files), and a fresh engine loads and trains 3 more steps; meshspeed loads the
+same directory at tp 2 (its AutoTP) and tp 1 and trains the same steps.
 
 Universal: DeepSpeed trains the plain 5-layer model at ZeRO 1 or 2, dp 2, saves, converts
 the tag with its own `python -m deepspeed.checkpoint.ds_to_universal`, and a fresh
@@ -18,7 +24,7 @@ and 2 and trains the same steps.
     PYTHONPATH=. .venv/bin/python benchmarks/ds_checkpoint_pptp.py --write-fixtures
 
 `--write-fixtures` writes tests/checkpoint/fixtures/deepspeed/{pipe_pp2_z0, pipe_pp2_z1,
-universal_z2_dp2}/: the DeepSpeed checkpoint (`ckpt/`, a few KB; for the universal one also
+autotp_tp2_z1, universal_z2_dp2}/: the DeepSpeed checkpoint (`ckpt/`, a few KB; for the universal one also
 `source/`, the ZeRO 2 checkpoint ds_to_universal converted) and `expected.json` with
 DeepSpeed's losses after loading, so CI checks the loading without DeepSpeed.
 """
@@ -55,6 +61,38 @@ def sequential(seed: int):
 
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def tiny_llama(seed: int):
+    """A 1-layer Llama (hidden 16, 2 heads, vocab 32) that DeepSpeed's AutoTP splits."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))
+
+
+def tp_config(tp: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-6}},
+            "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10_000,
+            **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {})}
+
+
+def tp_train(engine, first: int, last: int) -> list[float]:
+    """The same 2 x 8 token batch on every rank (tp ranks see the same data)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 32, (2, 8), generator=g) for _ in range(SAVE_AT + MORE)]
+    losses = []
+    for b in range(first, last):
+        loss = engine(input_ids=ids[b], labels=ids[b]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
 
 
 def micro_batches():
@@ -146,6 +184,16 @@ def _ds_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
                                            config=cfg)
         engine2.load_checkpoint(plan["ckpt"])
         after = pipe_train(engine2, SAVE_AT, SAVE_AT + MORE)
+    elif plan["kind"] == "tp":
+        cfg = tp_config(world)
+        model = tiny_llama(0)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        before = tp_train(engine, 0, SAVE_AT)
+        engine.save_checkpoint(plan["ckpt"], client_state={"epoch": 3})
+        fresh = tiny_llama(7)
+        engine2, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=cfg)
+        engine2.load_checkpoint(plan["ckpt"])
+        after = tp_train(engine2, SAVE_AT, SAVE_AT + MORE)
     elif plan["kind"] == "save_plain":
         cfg = config(plan["stage"], world)
         model = sequential(0)
@@ -174,7 +222,13 @@ def _ms_rank(rank: int, world: int, port: int, plan: dict, out: str) -> None:
     from meshspeed.pipe import LayerSpec, PipelineModule
 
     universal = plan.get("load_universal", False)
-    if plan["target"] == "pipe":
+    if plan["target"] == "tp":
+        model = tiny_llama(7)
+        engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=tp_config(plan["tp"]))
+        _, client = engine.load_checkpoint(plan["ckpt"])
+        after = tp_train(engine, SAVE_AT, SAVE_AT + MORE)
+    elif plan["target"] == "pipe":
         torch.manual_seed(7)
         net = PipelineModule(layers=layer_list(LayerSpec), num_stages=world, loss_fn=nn.MSELoss(),
                              partition_method="uniform")
@@ -262,6 +316,12 @@ def main_compare(args) -> None:
                                   clip=pipe_clip(stage))
                     what = f"pipe pp{world}" if target == "pipe" else f"plain dp{world}"
                     _row(rows, src, f"{what} z{ms_stage}", ref["after"], got["after"])
+        if "tp" in args.kinds:
+            ckpt = tmp / "ds-tp2-z1"
+            ref = _run(tmp, 2, {"deepspeed": True, "kind": "tp", "stage": 1, "ckpt": str(ckpt)}, ckpt.name)
+            for tp in (2, 1):
+                got = ms_load(tmp, ckpt, "tp", tp, 1, f"ms-{ckpt.name}-tp{tp}", tp=tp)
+                _row(rows, "AutoTP tp2 dp1 z1 fp32", f"tp{tp} dp1 z1", ref["after"], got["after"])
         if "universal" in args.kinds:
             for stage in (1, 2):
                 uni, ref = ds_universal(tmp, stage, 2)
@@ -295,6 +355,15 @@ def write_fixtures(args) -> None:
                         "zero_stage": stage, "pp": 2, "dp": 1, "precision": "fp32"}
                 (dest / "expected.json").write_text(json.dumps(info, indent=1) + "\n")
                 print(f"wrote {dest}", flush=True)
+        if "tp" in args.kinds:
+            ckpt = tmp / "ds-tp2-z1"
+            ref = _run(tmp, 2, {"deepspeed": True, "kind": "tp", "stage": 1, "ckpt": str(ckpt)}, ckpt.name)
+            dest = FIXTURES / "autotp_tp2_z1"
+            _copy(ckpt, dest)
+            info = {"ds_losses_after_load": ref["after"], "ds_losses_before_save": ref["before"],
+                    "zero_stage": 1, "tp": 2, "dp": 1, "precision": "fp32"}
+            (dest / "expected.json").write_text(json.dumps(info, indent=1) + "\n")
+            print(f"wrote {dest}", flush=True)
         if "universal" in args.kinds:
             uni, ref = ds_universal(tmp, 2, 2)
             dest = FIXTURES / "universal_z2_dp2"
@@ -315,7 +384,7 @@ def main() -> None:
     p.add_argument("--degree", type=int, help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--kinds", default="pipe,universal", help="pipe,universal (default both)")
+    p.add_argument("--kinds", default="pipe,universal,tp", help="pipe,universal,tp (default all)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--write-fixtures", action="store_true", help="write the CI fixtures")
     args = p.parse_args()

@@ -90,7 +90,8 @@ class Pieces(_Combined):
     """Tensor-parallel ranks: every part holds the same parameter names, each a piece of the
     whole along `dims[name]` (None: replicated, the first part's copy is taken)."""
 
-    def __init__(self, parts: list[DeepSpeedCheckpoint], path: str, dims: dict[str, int | None]):
+    def __init__(self, parts: list[DeepSpeedCheckpoint], path: str, dims: dict[str, int | None],
+                 trim: dict[str, int] | None = None):
         super().__init__(parts, path)
         first = parts[0]
         names = first.all_param_names()
@@ -102,7 +103,9 @@ class Pieces(_Combined):
         self.group_names = first.group_names
         self.buffers = first.buffers
         self.aliases = first.aliases
-        self.shapes = {n: _whole_shape([p.shapes[n] for p in parts], dims.get(n)) for n in names}
+        self.trim = trim or {}  # name -> whole size along its dim (a padded vocabulary's rows)
+        self.shapes = {n: _whole_shape([p.shapes[n] for p in parts], dims.get(n), self.trim.get(n))
+                       for n in names}
 
     @property
     def trainable(self) -> set[str]:
@@ -121,13 +124,19 @@ class Pieces(_Combined):
             if dim is None:
                 yield states[0]
                 continue
-            moments = {k: torch.cat([s.moments[k] for s in states], dim) for k in states[0].moments}
-            yield ParamState(name, torch.cat([s.master for s in states], dim), moments, states[0].step)
+            size = self.trim.get(name)
+
+            def join(ts: list[torch.Tensor]) -> torch.Tensor:
+                whole = torch.cat(ts, dim)
+                return whole if size is None else whole.narrow(dim, 0, size).clone()
+
+            moments = {k: join([s.moments[k] for s in states]) for k in states[0].moments}
+            yield ParamState(name, join([s.master for s in states]), moments, states[0].step)
 
 
-def _whole_shape(shapes: list[tuple[int, ...]], dim: int | None) -> tuple[int, ...]:
+def _whole_shape(shapes: list[tuple[int, ...]], dim: int | None, size: int | None) -> tuple[int, ...]:
     if dim is None:
         return shapes[0]
     out = list(shapes[0])
-    out[dim] = sum(s[dim] for s in shapes)
+    out[dim] = sum(s[dim] for s in shapes) if size is None else size
     return tuple(out)

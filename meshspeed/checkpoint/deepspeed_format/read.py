@@ -31,6 +31,7 @@ _ENGINE_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "csr_tensor_module_names",
+    "universal_checkpoint_info",  # AutoTP: how the tensor-parallel pieces join (tp.py)
 })
 
 
