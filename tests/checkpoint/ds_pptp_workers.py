@@ -76,3 +76,35 @@ def load_and_train(ckpt: str, target: str, stage: int, clip: float, universal: b
         comm.all_reduce(total)
         losses.append(total.item() / GAS)
     return {"losses": losses, **restored}
+
+
+def tiny_llama() -> nn.Module:
+    """benchmarks/ds_checkpoint_pptp.py's 1-layer Llama, which DeepSpeed's AutoTP split."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))
+
+
+def load_and_train_tp(ckpt: str) -> dict:
+    """On every rank: a fresh tiny Llama at tp = world (AutoTP config) loads `ckpt` and
+    trains the 3 steps after it on the same token batches."""
+    torch.set_num_threads(1)
+    tp = comm.get_world_size()
+    torch.manual_seed(7)
+    model = tiny_llama()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-6}},
+           "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10_000,
+           **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {})}
+    engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    _, client = engine.load_checkpoint(ckpt)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 32, (2, 8), generator=g) for _ in range(SAVE_AT + MORE)]
+    losses = []
+    for b in range(SAVE_AT, SAVE_AT + MORE):
+        loss = engine(input_ids=ids[b], labels=ids[b]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"losses": losses, "global_steps": engine.global_steps, "client": dict(client)}

@@ -13,7 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from meshspeed.checkpoint.deepspeed_format.discover import TagFiles
+from meshspeed.checkpoint.deepspeed_format.pipe import read_pipeline
 from meshspeed.checkpoint.deepspeed_format.read import read_tag
+from meshspeed.checkpoint.deepspeed_format.tp import read_tensor_parallel
+from meshspeed.checkpoint.deepspeed_format.universal import read_universal
 
 
 def open_tag(files: TagFiles, model_shapes: dict[str, tuple[int, ...]] | None = None) -> Any:
@@ -21,15 +24,9 @@ def open_tag(files: TagFiles, model_shapes: dict[str, tuple[int, ...]] | None = 
     whole (logical) shapes of the model it is loaded into, when known, which settles how
     tensor-parallel pieces join (tp.py)."""
     if files.universal:
-        from meshspeed.checkpoint.deepspeed_format.universal import read_universal
-
         return read_universal(files)
     if files.layers:
-        from meshspeed.checkpoint.deepspeed_format.pipe import read_pipeline
-
         return read_pipeline(files)
     if files.tp_size > 1:
-        from meshspeed.checkpoint.deepspeed_format.tp import read_tensor_parallel
-
         return read_tensor_parallel(files, model_shapes)
     return read_tag(files)
