@@ -21,6 +21,7 @@ from meshspeed.checkpoint import pending
 from meshspeed.checkpoint.agree import everywhere, same_everywhere
 from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
 from meshspeed.checkpoint.deepspeed_format.discover import find_tag
+from meshspeed.checkpoint.deepspeed_format.universal import check_universal, universal_tag
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
@@ -236,7 +237,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     pending.wait_for_pending(engine)
     # a DeepSpeed checkpoint (its `latest` or tag holds mp_rank_*_model_states.pt): converted,
     # then loaded by this function (Note [importing through meshspeed's format])
+    universal = engine.config.checkpoint.load_universal  # Note [checkpoint.load_universal]
+    if universal:
+        tag = everywhere(universal_tag, load_dir, tag)
     deepspeed_tag = everywhere(find_tag, load_dir, tag)
+    if universal:
+        everywhere(check_universal, deepspeed_tag)
     if any(comm.all_gather_object(deepspeed_tag is not None)):
         everywhere(_same_kind, deepspeed_tag, load_dir)
         return load_deepspeed(engine, deepspeed_tag, load_checkpoint, load_module_strict=load_module_strict,

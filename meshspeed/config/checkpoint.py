@@ -24,7 +24,10 @@ class CheckpointConfig(StrictModel):
     dir: str | None = None  # meshspeed: the directory the script saves to, read by auto_resume
     # What to do when ranks disagree on the checkpoint tag.
     tag_validation: CaseInsensitive("Ignore", "Warn", "Fail") = "Warn"  # type: ignore[valid-type]
-    load_universal: bool = False  # load a universal (topology-free) checkpoint
+    # the checkpoint to load is a DeepSpeed universal one (ds_to_universal): with no tag, the
+    # tag `<dir>/latest_universal` names; a DeepSpeed tag that is not universal is an error
+    # (Note [checkpoint.load_universal]); meshspeed's own checkpoints load as usual
+    load_universal: bool = False
     use_node_local_storage: bool = False  # each node writes to its own disk
     parallel_write: dict[str, Any] | None = None  # e.g. {"pipeline_stage": true}
     # meshspeed: "deepspeed" also writes DeepSpeed 0.19's files (mp_rank_00_model_states.pt,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from meshspeed.checkpoint.deepspeed_format.discover import TagFiles
-from meshspeed.checkpoint.deepspeed_format.read import read_tag
+from meshspeed.checkpoint.deepspeed_format.kinds import open_tag
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
 
 
@@ -29,7 +29,7 @@ def _plan(ckpt, dtype: torch.dtype) -> list[tuple[Spec, str]]:
 
 
 def deepspeed_state_dict(files: TagFiles, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    ckpt = read_tag(files)
+    ckpt = open_tag(files)
     out = {}
     masters = {p.name: p.master for p in ckpt.params()}
     for spec, source in _plan(ckpt, dtype):
@@ -40,7 +40,7 @@ def deepspeed_state_dict(files: TagFiles, dtype: torch.dtype = torch.float32) ->
 
 def convert_deepspeed(files: TagFiles, out_path: str, dtype: torch.dtype = torch.float32) -> dict:
     """Stream the DeepSpeed tag's whole weights into `out_path`; a summary like convert()'s."""
-    ckpt = read_tag(files)
+    ckpt = open_tag(files)
     plan = _plan(ckpt, dtype)
     by_source: dict[str, list[Spec]] = {}
     for spec, source in plan:

@@ -19,7 +19,7 @@ from meshspeed import comm
 from meshspeed.checkpoint.agree import everywhere, one_line
 from meshspeed.checkpoint.atomic import remove_tree
 from meshspeed.checkpoint.deepspeed_format.discover import TagFiles
-from meshspeed.checkpoint.deepspeed_format.read import read_tag
+from meshspeed.checkpoint.deepspeed_format.kinds import open_tag
 from meshspeed.checkpoint.deepspeed_format.to_meshspeed import write_meshspeed_tag
 from meshspeed.checkpoint.errors import CheckpointError
 
@@ -39,7 +39,7 @@ def _convert(files: TagFiles) -> str:
                               "rank can read the copy; make it writable, or convert it offline with "
                               "`meshspeed convert` into a meshspeed checkpoint") from None
     try:
-        write_meshspeed_tag(read_tag(files), root, IMPORTED_TAG)
+        write_meshspeed_tag(open_tag(files), root, IMPORTED_TAG)
     except BaseException:
         remove_tree(root)
         raise

@@ -31,6 +31,7 @@ _ENGINE_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "csr_tensor_module_names",
+    "universal_checkpoint_info",  # AutoTP: how the tensor-parallel pieces join (tp.py)
 })
 
 
@@ -368,21 +369,30 @@ def _zero_stage(header: dict[str, Any], files: TagFiles, optim: list[Any]) -> in
     return int(stage)
 
 
-def read_tag(files: TagFiles, tp_rank: int = 0) -> DeepSpeedCheckpoint:
-    """Open a DeepSpeed tag directory (tp rank `tp_rank`'s files): headers now, tensors lazily."""
+def _refuse_other_kinds(files: TagFiles) -> None:
     if files.universal:
-        raise CheckpointError(f"{files.path} is a DeepSpeed universal checkpoint; reading it is "
-                              "not supported yet: load the tag it was converted from")
+        raise CheckpointError(f"{files.path} is a DeepSpeed universal checkpoint; open it with "
+                              "kinds.open_tag (universal.py reads it)")
     if files.layers:
         raise CheckpointError(f"{files.path} is a DeepSpeed pipeline checkpoint (layer_*-model_states.pt); "
-                              "reading it is not supported yet")
+                              "open it with kinds.open_tag (pipe.py reads it)")
     if files.tp_size > 1:
         raise CheckpointError(f"{files.path} is a DeepSpeed tensor-parallel checkpoint ({files.tp_size} "
-                              "mp_rank files); reading it is not supported yet")
+                              "mp_rank files); open it with kinds.open_tag (tp.py reads it)")
+
+
+def read_tag(files: TagFiles, tp_rank: int = 0, header: dict[str, Any] | None = None) -> DeepSpeedCheckpoint:
+    """Open one model-parallel rank's files of a DeepSpeed tag directory (`mp_rank_<tp_rank>`):
+    headers now, tensors lazily. `header`: that rank's model-states file, already read (a
+    pipeline stage's, its `module` assembled from the layer files: pipe.py). Pipeline,
+    tensor-parallel and universal checkpoints are opened by kinds.open_tag."""
+    if header is None:
+        _refuse_other_kinds(files)
     if (0, tp_rank) not in files.model:
         raise CheckpointError(f"{files.path} has no model states file for dp rank 0 "
                               f"(mp_rank_{tp_rank:02d}_model_states.pt); the checkpoint is incomplete")
-    header = load_torch_file(files.model[(0, tp_rank)])
+    if header is None:
+        header = load_torch_file(files.model[(0, tp_rank)])
     if not isinstance(header, dict) or "module" not in header:
         raise CheckpointError(f"{files.model[(0, tp_rank)]} is not a DeepSpeed model states file "
                               "(it has no 'module' entry)")
