@@ -89,3 +89,18 @@ def test_other_torch_formats_are_refused(tmp_path):
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), scripted)
     with pytest.raises(CheckpointError, match="TorchScript"):
         load_torch_file(scripted)
+
+
+@pytest.mark.parametrize("planted", ["zero/0.weight/fp32.pt", "zero/optimizer_state.pt"])
+def test_a_payload_in_a_universal_checkpoint_is_refused_and_never_runs(planted, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "deepspeed" / "universal_z2_dp2" / "ckpt"
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixture, ckpt)
+    marker = tmp_path / "ran"
+    torch.save({"note": _Payload(str(marker))}, ckpt / "global_step2" / planted)
+    with pytest.raises(CheckpointError, match="posix.system"):
+        consolidate(str(ckpt))
+    assert not marker.exists()
