@@ -21,6 +21,15 @@ the plan's "loss" entries are dropped (the model's own cross-entropy sees whole 
 and the vocab head is switched to `gather_output`: one all-gather of (tokens, vocab/tp)
 per forward, padding columns trimmed. Every rank then holds identical logits, so ranks
 sampling with the same seed choose the same tokens.
+
+Note [a quantized model is frozen]
+Quantized layers have no gradient, and the embeddings, norms and biases left in full
+precision are only there to serve. While they required grad, every call of the engine with
+grad enabled built an autograd graph that kept activations (and, before Note [no float
+weight in the graph], each layer's rebuilt fp32 weight) alive as long as the caller held
+the output. So `init_inference(..., quant={"enabled": True})` sets requires_grad=False on
+every parameter left: the process then holds the integer weights and those parameters,
+less than the fp32 model (issue 34).
 """
 
 from __future__ import annotations
@@ -251,7 +260,10 @@ def _kind(entry: Any) -> str | None:
 
 
 def _quantize(model: nn.Module, cfg: InferenceConfig) -> None:
+    """Quantize, then freeze what stays in full precision (Note [a quantized model is frozen])."""
     quantize_weights(model, bits=cfg.quant.bits, group_size=cfg.quant.group_size)
+    for p in model.parameters():
+        p.requires_grad_(False)
 
 
 def _inject(model: nn.Module, cfg: InferenceConfig) -> int:

@@ -51,6 +51,19 @@ trades speed for memory; speed from INT8 needs a kernel that dequantizes in regi
 (decode at small batch is bound by reading weights, and INT8 reads 4x fewer bytes than
 fp32) -- not written here.
 
+Note [no float weight in the graph]
+Under autograd (an input or a bias that requires grad), F.linear saves its weight for the
+input's gradient, so the rebuilt float weight of every layer would stay alive for as long
+as the caller keeps the output: a teacher-forced `logits = engine(ids).logits` held the
+whole model's fp32 weights again (issue 34: every live tensor summed to 1.4x the fp32
+model). QuantizedLinear therefore runs its matmul in an autograd Function that saves
+nothing but a reference to the layer, whose integer weight is resident anyway, and
+rebuilds W chunk by chunk in backward (grad_x = grad_y @ W; the weight has no gradient).
+Gradients with respect to the input stay exact; backward pays a second rebuild.
+QuantizedParallelLinear (below) calls the wrapped layer's forward, whose F.linear saves
+the rebuilt local weight when its input requires grad; init_inference freezes the model's
+parameters, so that only happens for inputs the caller made differentiable.
+
 Note [tied weights stay full precision]
 A linear whose weight Parameter is shared with another module (GPT-2's lm_head and wte,
 the vocab-parallel head tied to the split embedding) is left alone: the embedding keeps
@@ -229,6 +242,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            return _QuantizedMatmul.apply(x, bias, self)  # Note [no float weight in the graph]
+        return self.matmul(x, bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T + bias, W rebuilt `rows_per_chunk` output rows at a time."""
         step = self.rows_per_chunk(x.device)
         if step >= self.out_features:
             return F.linear(x, self.dequantize(x.dtype), bias)
@@ -238,6 +257,16 @@ class QuantizedLinear(nn.Module):
             outs.append(F.linear(x, self.dequantize(x.dtype, rows), None if bias is None else bias[rows]))
         return torch.cat(outs, dim=-1)
 
+    def input_grad(self, grad_y: torch.Tensor) -> torch.Tensor:
+        """grad_y @ W, W rebuilt in the same row chunks as the forward."""
+        step = self.rows_per_chunk(grad_y.device)
+        grad_x = None
+        for start in range(0, self.out_features, step):
+            rows = slice(start, start + step)
+            part = grad_y[..., rows] @ self.dequantize(grad_y.dtype, rows)
+            grad_x = part if grad_x is None else grad_x.add_(part)
+        return grad_x
+
     def weight_bytes(self) -> int:
         """Bytes of qweight + scale (Note [quantized weight bytes])."""
         return self.qweight.nbytes + self.scale.nbytes
@@ -245,6 +274,25 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}")
+
+
+class _QuantizedMatmul(torch.autograd.Function):
+    """QuantizedLinear's matmul under autograd, saving no float weight (Note [no float
+    weight in the graph]): backward rebuilds W from the layer's integers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, layer: QuantizedLinear) -> torch.Tensor:
+        ctx.layer = layer
+        ctx.has_bias = bias is not None
+        return layer.matmul(x, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        grad_x = ctx.layer.input_grad(grad_y) if ctx.needs_input_grad[0] else None
+        grad_b = None
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_b = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+        return grad_x, grad_b, None
 
 
 class QuantizedParallelLinear(nn.Module):
