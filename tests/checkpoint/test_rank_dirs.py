@@ -83,12 +83,23 @@ def _hello_deepspeed(root, steps, save_every, resume_from):
     """HelloDeepSpeed's `train_bert_ds.py` in miniature: the experiment directory is named
     from the clock and a random suffix on every rank, before any seeding, and only rank 0
     creates it; the loop saves every `save_every` steps with the step in the client state."""
-    import meshspeed.compat.deepspeed as deepspeed
     from meshspeed import comm
+    from meshspeed.compat.alias import install, uninstall
+
+    torch.set_num_threads(1)
+    install()  # the script's `import deepspeed`, as under meshspeed run --deepspeed-compat
+    try:
+        return _train_bert(root, steps, save_every, resume_from, comm)
+    finally:
+        uninstall()
+
+
+def _train_bert(root, steps, save_every, resume_from, comm):
+    import deepspeed  # meshspeed, through the alias the caller installed
+
     from meshspeed.models.gpt import GPT
     from meshspeed.testing.engines import TINY
 
-    torch.set_num_threads(1)
     if resume_from is None:
         now = datetime.datetime.now()
         suffix = "".join(random.SystemRandom().choices(string.ascii_lowercase + string.digits, k=8))
