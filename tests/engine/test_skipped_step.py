@@ -9,7 +9,7 @@ from torch import nn
 
 import meshspeed
 from meshspeed.testing import run_distributed
-from meshspeed.testing.engines import small_engine, train_step
+from meshspeed.testing.engines import small_engine
 
 TIMEOUT = 60  # the comms timeout is 300 s: a run that waits for it fails here
 
