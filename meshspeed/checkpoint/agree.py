@@ -2,11 +2,15 @@
 
 A save or load runs collectives between its steps; if one rank raised and the others went
 on to the next collective, they would wait forever. So each step's outcome is exchanged
-(one small all-gather) and every rank raises the first failure, naming the rank.
+(one small all-gather) and every rank raises the first failure, naming the rank. Ranks also
+agree on what they save or load: rank 0's directory where they name different ones, and
+the same checkpoint inside it, or every rank raises.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,6 +18,8 @@ from meshspeed import comm
 from meshspeed.checkpoint.errors import CheckpointError
 
 T = TypeVar("T")
+
+log = logging.getLogger("meshspeed")
 
 
 def one_line(exc: BaseException) -> str:
@@ -57,3 +63,36 @@ def same_everywhere(what: str, value: str, group: Any = None) -> None:
                       for r, v in enumerate(values))
     raise CheckpointError(f"ranks disagree on the {what} ({lines}); pass the same path on every "
                           "rank, on a file system every rank sees")
+
+
+# Note [ranks that name different checkpoint directories]
+# Scripts often name the run's directory from the clock and a random suffix, computed on
+# every rank before seeding (DeepSpeedExamples' HelloDeepSpeed, `train_bert_ds.py`), so each
+# rank passes its own directory, and only rank 0 creates it. Refusing such a save loses the
+# run; writing each rank's share under its own directory (DeepSpeed's outcome) leaves no
+# directory that holds a whole checkpoint. meshspeed takes rank 0's directory for every rank:
+# one complete checkpoint there, which rank 0 names once (with each rank's path) for each
+# set of differing paths. A load does the same, so the script resumes unchanged. This is a
+# choice of directory only: ranks that ask for different tags, or different checkpoints
+# inside the one directory, still raise (`same_everywhere`), since they would save or load
+# different states. Rank 0's directory must be on a file system every rank sees; where it is
+# not, the other ranks' writes or reads fail with a CheckpointError naming the path.
+_told: set[tuple[str, ...]] = set()
+
+
+def rank0_path(what: str, path: str, group: Any = None) -> str:
+    """Collective: the directory every rank uses: `path` where every rank names the same
+    one, else rank 0's (absolute), which rank 0 says once, naming each rank's (Note [ranks
+    that name different checkpoint directories])."""
+    values = comm.all_gather_object(os.path.abspath(path), group=group)
+    if len(set(values)) == 1:
+        return path
+    if comm.get_rank() == 0:
+        key = (what, *values)
+        if key not in _told:
+            _told.add(key)
+            lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            log.warning("ranks disagree on the %s (%s): every rank uses rank 0's, %s, so the "
+                        "checkpoint is one complete directory; pass the same path on every rank to "
+                        "silence this", what, lines, values[0])
+    return values[0]

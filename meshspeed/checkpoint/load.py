@@ -18,7 +18,7 @@ import torch
 
 from meshspeed import comm
 from meshspeed.checkpoint import pending
-from meshspeed.checkpoint.agree import everywhere, same_everywhere
+from meshspeed.checkpoint.agree import everywhere, rank0_path, same_everywhere
 from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
 from meshspeed.checkpoint.deepspeed_format.discover import find_tag
 from meshspeed.checkpoint.deepspeed_format.universal import check_universal, universal_tag
@@ -235,6 +235,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     `checkpoint.auto_resume` and no tag, loads the newest complete checkpoint and returns
     `(None, None)` when there is none yet (Note [what auto_resume loads], resume.py)."""
     pending.wait_for_pending(engine)
+    # Note [ranks that name different checkpoint directories] (agree.py)
+    load_dir = rank0_path("checkpoint load directory", os.fspath(load_dir))
     # a DeepSpeed checkpoint (its `latest` or tag holds mp_rank_*_model_states.pt): converted,
     # then loaded by this function (Note [importing through meshspeed's format])
     universal = engine.config.checkpoint.load_universal  # Note [checkpoint.load_universal]

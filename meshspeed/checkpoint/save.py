@@ -16,7 +16,7 @@ from typing import Any
 
 from meshspeed import comm
 from meshspeed.checkpoint import pending
-from meshspeed.checkpoint.agree import agree, everywhere, one_line, same_everywhere
+from meshspeed.checkpoint.agree import agree, everywhere, one_line, rank0_path
 from meshspeed.checkpoint.errors import CheckpointError, SaveDirError, TagMismatchError
 from meshspeed.checkpoint.paths import check_tag, default_tag
 from meshspeed.checkpoint.snapshot import RankSnapshot, capture
@@ -137,8 +137,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_l
         raise SaveDirError(f"save_checkpoint needs a directory to save under, got save_dir={save_dir!r}; "
                            "pass a path (it is created if missing)")
     pending.wait_for_pending(engine)
-    save_dir = os.fspath(save_dir)
-    same_everywhere("checkpoint save directory", os.path.abspath(save_dir))
+    # Note [ranks that name different checkpoint directories] (agree.py)
+    save_dir = rank0_path("checkpoint save directory", os.fspath(save_dir))
     tag = everywhere(check_tag, tag if tag is not None else default_tag(engine.global_steps))
     _agree_on_tag(engine, tag)
     tag = comm.broadcast_object(tag, src=0)

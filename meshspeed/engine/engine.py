@@ -50,6 +50,9 @@ class MeshspeedEngine(nn.Module):
         # Note [agreement before each step]: a rank agrees with its dp (x cp), tp and pp
         # peers, which together reach every rank
         self._agree_over = [self.topology.group(a) for a in ("dp_cp", "tp", "pp") if self.topology.size(a) > 1]
+        # Note [agreement before a micro-step's forward]: where the forward communicates
+        self._agree_each_forward = self.strategy.shards_params or any(
+            self.topology.size(a) > 1 for a in ("tp", "cp", "ep"))
         self.global_steps = 0  # optimizer steps taken (skipped fp16 steps included, as in DeepSpeed)
         self.micro_steps = 0  # backward passes
         self.global_samples = 0
@@ -135,6 +138,7 @@ class MeshspeedEngine(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         if not self._micro_started:
+            self._agree_before_forward()
             self._micro_reduces = self._reduces_now()
             self._begin_micro_step(self._micro_reduces)
             self._micro_started = True
@@ -142,6 +146,18 @@ class MeshspeedEngine(nn.Module):
             if self._forward is None:
                 return self.module(*inputs, **kwargs)
             return self._forward.run(self.module, inputs, kwargs)
+
+    def _agree_before_forward(self) -> None:
+        """Note [agreement before a micro-step's forward] (agreement.py)."""
+        skipped = self._backward_done and self._boundary_override is None and not self._no_sync
+        if not (self._agree_each_forward or (skipped and self.is_gradient_accumulation_boundary())):
+            return
+        what = f"the forward of micro-step {self.micro_steps}"
+        if skipped:
+            what += " (no engine.step() after the last backward)"
+        counters = dict(zip(STEP_COUNTERS, (self.global_steps, self.micro_steps, self.skipped_steps)))
+        for group in self._agree_over:
+            agree(what, counters, group=group, device=self.device, place="forward")
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss`, averaged over accumulation steps and scaled for fp16.
