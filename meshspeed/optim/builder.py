@@ -40,7 +40,7 @@ _ALLOWED = {
     # onebit_lamb.py); max_grad_norm, eps_inside_sqrt
     # and amsgrad have no effect or are refused there, so they are not accepted here
     "OneBitAdam": _COMMON | {"betas", "eps", "freeze_step", "bias_correction", "cuda_aware",
-                             "comm_backend_name"},
+                             "comm_backend_name", "bias_corrected_freeze"},  # the last: meshspeed's
     "ZeroOneAdam": _COMMON | {"betas", "eps", "bias_correction", "var_freeze_step", "var_update_scaler",
                               "local_step_scaler", "local_step_clipper", "cuda_aware", "comm_backend_name"},
     "OneBitLamb": _COMMON | {"betas", "eps", "freeze_step", "bias_correction", "max_coeff", "min_coeff",

@@ -214,4 +214,4 @@ def test_a_variance_frozen_too_early_is_warned_about(caplog):
         assert not caplog.records
         OneBitAdam([w], freeze_step=2)
     (record,) = caplog.records
-    assert "freeze_step 2" in record.getMessage() and "at least 693 steps" in record.getMessage()
+    assert "freeze_step 2" in record.getMessage() and "smallest safe freeze_step is 693" in record.getMessage()
