@@ -101,6 +101,9 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
     selection = ParamSelection.capture(client_groups or model_parameters, model)
 
     pipeline = apply_pp(model, mesh, cfg) if isinstance(model, PipelineModule) else None
+    if pipeline is not None:  # a rebind may bring layers listed on another stage: Note [model_parameters by name]
+        selection = selection.joined(comm.all_gather_object(selection.named, group=mesh.group("pp")), model)
+        selection.keep_frozen(model)
     tp = apply_tp(model, mesh, cfg)
     context = apply_cp(model, mesh, cfg)
     module = _cast(model, device, cfg.precision_dtype)

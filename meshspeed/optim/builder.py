@@ -122,22 +122,37 @@ def _fusable(groups: list[dict]) -> bool:
 # parameters afterwards (`groups`): names do not change under any axis (tp keeps each
 # layer's `weight` / `bias`, a pipeline stage registers layers under their global index).
 # A selection that named every trainable parameter means "the whole model", and resolves
-# to every trainable parameter of the rewritten module, including layers a pipeline rebind
-# placed on this stage since; a narrower selection keeps exactly its names (a name whose
-# layer left this stage is dropped). A tensor that is no parameter of the model is an error.
+# to every trainable parameter of the rewritten module; a narrower selection keeps exactly
+# its names (a name whose layer left this stage is dropped). A tensor that is no parameter
+# of the model is an error.
+#
+# A pipeline rebind (an interleaved schedule from the config, Note [the mesh binds the
+# stage]) places layers on a stage whose rank never saw them when the user listed its
+# parameters: the user's rule for them (which group, whether trained, whether frozen) was
+# applied on the rank that built them first. So the pipeline's ranks exchange their
+# selections (`named`, then `joined`): a name this rank's user did not place takes the
+# group another rank's user put it in (the local group with the same options; a new one
+# if there is none); a parameter frozen (requires_grad False) where it was first built is
+# frozen again where the rebind built it anew (`keep_frozen`); and "the whole model" holds
+# only if every rank's selection named all of its stage. A weight-decay split, a frozen
+# embedding or a fine-tune of some layers then means on the new stage what it meant on
+# the first one.
+
+Groups = list[tuple[dict, list[str]]]  # (options, parameter names) per param group
 
 
 class ParamSelection:
     """The user's parameter groups by parameter name (Note [model_parameters by name])."""
 
-    def __init__(self, groups: list[tuple[dict, list[str]]], whole: bool):
-        self._groups, self.whole = groups, whole
+    def __init__(self, groups: Groups, whole: bool, frozen: frozenset[str] = frozenset()):
+        self._groups, self.whole, self.frozen = groups, whole, frozen
 
     @classmethod
     def capture(cls, model_parameters: Iterable | None, module: nn.Module) -> ParamSelection:
         names = {id(p): n for n, p in module.named_parameters()}
+        frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
         if model_parameters is None:
-            return cls([({}, [n for n, p in module.named_parameters() if p.requires_grad])], whole=True)
+            return cls([({}, [n for n, p in module.named_parameters() if p.requires_grad])], True, frozen)
         source = list(model_parameters)
         raw = source if source and isinstance(source[0], dict) else [{"params": source}]
         groups = []
@@ -153,7 +168,34 @@ class ParamSelection:
             groups.append((options, [names[id(p)] for p in params if p.requires_grad]))
         named = {n for _, group_names in groups for n in group_names}
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-        return cls(groups, whole=bool(trainable) and trainable <= named)
+        return cls(groups, bool(trainable) and trainable <= named, frozen)
+
+    @property
+    def named(self) -> tuple[Groups, bool, frozenset[str]]:
+        """What this rank's user selected and froze, for the ranks that may now hold its layers."""
+        return self._groups, self.whole, self.frozen
+
+    def joined(self, everyone: list[tuple[Groups, bool, frozenset[str]]], module: nn.Module) -> ParamSelection:
+        """This selection plus what the other ranks' selections placed and this one did not,
+        for the parameters `module` holds now (`everyone`: each rank's `named`, this rank's
+        among them)."""
+        groups = [(dict(options), list(names)) for options, names in self._groups]
+        here = {n for n, _ in module.named_parameters()}
+        placed = {n for _, names in groups for n in names}
+        for theirs, _, _ in everyone:
+            for index, (options, names) in enumerate(theirs):
+                new = [n for n in names if n in here and n not in placed]
+                if new:
+                    _group_like(groups, options, index)[1].extend(new)
+                    placed.update(new)
+        frozen = frozenset().union(*(f for _, _, f in everyone)) & here - placed
+        return ParamSelection(groups, all(whole for _, whole, _ in everyone), frozen)
+
+    def keep_frozen(self, module: nn.Module) -> None:
+        """Freeze again the parameters the user froze that a pipeline rebind built anew."""
+        for name, p in module.named_parameters():
+            if name in self.frozen:
+                p.requires_grad_(False)
 
     def groups(self, module: nn.Module, master_of: dict[int, nn.Parameter]) -> list[dict]:
         """The groups over the rewritten `module`'s master tensors; group options (lr,
@@ -165,9 +207,20 @@ class ParamSelection:
             placed.update(n for n in names if n in by_name)
             out.append({**options, "params": [master_of[id(p)] for p in params]})
         rest = [p for n, p in by_name.items() if n not in placed]
-        if self.whole and rest:  # the whole model: layers new on this stage join the first group
+        if self.whole and rest:  # the whole model: parameters no group names join the first
             out[0]["params"] += [master_of[id(p)] for p in rest]
         return out
+
+
+def _group_like(groups: Groups, options: dict, index: int) -> tuple[dict, list[str]]:
+    """The group of `groups` with these options (the one at `index` first), else a new one."""
+    if index < len(groups) and groups[index][0] == options:
+        return groups[index]
+    for group in groups:
+        if group[0] == options:
+            return group
+    groups.append((dict(options), []))
+    return groups[-1]
 
 
 def adopt_client_optimizer(
@@ -181,4 +234,6 @@ def adopt_client_optimizer(
         raise ValueError("pass the optimizer to initialize() before its first step (its state is not empty)")
     for group, resolved in zip(optimizer.param_groups, groups):
         group["params"] = resolved["params"]
+    for resolved in groups[len(optimizer.param_groups):]:  # options only another rank's groups had
+        optimizer.add_param_group(resolved)
     return optimizer

@@ -17,12 +17,14 @@ matched parameter's module gets an exact-name plan entry: "column"/"row", or "re
 for "skip". `shape` describes fused sub-parameters along the split dimension: `[3, -1]`
 is three equal parts, `[[q, k, v], -1]` three given sizes; it becomes the entry's `parts`.
 
-With use_default_specs the family plan (hf.py, or the model's own `tp_plan`) is merged
-after the custom entries: it brings the vocab embedding and head, the norms, the
-sequence-parallel boundaries and the loss, and a custom entry that agrees with the
-family's kind for the same module inherits its options (head_dim, layout). Without
-use_default_specs only the listed linear layers are split (as DeepSpeed does), and they
-run without sequence parallelism: there are no boundaries to enter and leave it.
+With use_default_specs the family plan (hf.py, or the model's own `tp_plan`), when the
+model has one, is merged after the custom entries: it brings the vocab embedding and
+head, the norms, the sequence-parallel boundaries and the loss, and a custom entry that
+agrees with the family's kind for the same module inherits its options (head_dim,
+layout). Without use_default_specs, or for a model of no known family (DeepSpeed merges
+a preset only when there is one), only the listed linear layers are split (as DeepSpeed
+does), and they run without sequence parallelism: there are no boundaries to enter and
+leave it.
 """
 
 from __future__ import annotations
@@ -52,10 +54,22 @@ def plan_from_deepspeed(partition_config: dict | None, model: nn.Module) -> dict
     specs = config.get("layer_specs") or []
     if not specs:
         return normalize(default_plan(model))
-    family = normalize(default_plan(model)) if use_defaults else {}
+    family = _family_plan(model) if use_defaults else {}
+    use_defaults = use_defaults and bool(family)
     inherited = _family_by_module(model, family) if use_defaults else {}
     custom = _custom_entries(model, specs, inherited, use_defaults)
     return {**custom, **{p: e for p, e in family.items() if p not in custom}}
+
+
+def _family_plan(model: nn.Module) -> dict[str, PlanEntry]:
+    """The plan the custom specs merge into; none for a model of no known family (a
+    PipelineModule of the user's own layers): DeepSpeed merges its preset only when there
+    is one, and the listed layers are then the whole plan."""
+    try:
+        family = default_plan(model)
+    except PlanError:
+        return {}
+    return normalize(family)
 
 
 def _family_by_module(model: nn.Module, family: dict[str, PlanEntry]) -> dict[str, PlanEntry]:

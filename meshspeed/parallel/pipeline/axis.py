@@ -18,6 +18,7 @@ from meshspeed.config import ConfigError, MeshspeedConfig
 from meshspeed.config.pipeline import PipelineConfig
 from meshspeed.parallel.activation_checkpoint import non_reentrant_checkpoint
 from meshspeed.parallel.pipeline.module import PipelineModule
+from meshspeed.parallel.pipeline.partition import PartitionError
 from meshspeed.parallel.pipeline.schedule import ScheduleError, build
 from meshspeed.parallel.pipeline.tied import TiedGrads
 from meshspeed.parallel.protocol import StepPart
@@ -84,7 +85,15 @@ def apply_pp(model: PipelineModule, mesh: Topology, config: MeshspeedConfig) -> 
     except ScheduleError as err:
         raise ConfigError([(f"pipeline.schedule {cfg.schedule!r}: {err} (the micro-batches of a batch "
                            f"are gradient_accumulation_steps = {m})")]) from err
-    model.bind(mesh.coord("pp"), v)
+    runs = model.num_stages * v
+    if runs > model.num_layers:
+        raise ConfigError([(f"pipeline.virtual_stages: {v} chunks on each of {model.num_stages} stages cut "
+                           f"the layers into {runs} runs, but the PipelineModule has {model.num_layers} "
+                           "layers; each run needs one: use fewer virtual stages or more layers")])
+    try:
+        model.bind(mesh.coord("pp"), v)
+    except PartitionError as err:
+        raise ConfigError([f"pipeline.virtual_stages: {v} chunks x {model.num_stages} stages: {err}"]) from err
     _apply_checkpointing(model, cfg)
     return PipelineStep(model, mesh)
 

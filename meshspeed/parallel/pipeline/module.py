@@ -40,7 +40,11 @@ initialize, `bind(stage, virtual_stages)` gives the mesh's coordinate and the co
 `pipeline.virtual_stages`; when either differs from the first build, the layers are cut
 and built again from the list kept for that purpose, which is dropped then (so layers
 passed already built, and alive on every rank anyway, live until initialize rather than
-until the constructor returns). The DeepSpeed `ProcessTopology` argument is read by the
+until the constructor returns). What the user listed for the optimizer or froze on the
+first build follows each layer to its new stage (Note [model_parameters by name] in
+meshspeed/optim/builder.py); values written into the first build's layers before
+initialize do not: a rebuilt LayerSpec starts from its constructor (from its own seed
+with `seed_layers`). The DeepSpeed `ProcessTopology` argument is read by the
 DeepSpeed layer (`meshspeed.pipe.PipelineModule`), which turns it into `num_stages`.
 """
 
