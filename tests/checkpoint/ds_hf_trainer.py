@@ -20,12 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, GPT2Config, TrainingArguments
 
-STEPS, SAVE_STEPS, GAS, MICRO = 6, 3, 2, 2
+# The dataset and the loss-printing Trainer are tests/compat/hf_trainer.py's (run as a script,
+# under DeepSpeed's venv too, so by path rather than as the `tests` package)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "compat"))
+from hf_trainer import GAS, LossTrainer, Tokens
+
+STEPS, SAVE_STEPS, MICRO = 6, 3, 2
 
 
 def ds_config(stage: int, trail: bool, ds_optimizer: bool) -> dict:
@@ -44,35 +50,6 @@ def ds_config(stage: int, trail: bool, ds_optimizer: bool) -> dict:
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                               "warmup_num_steps": "auto"}}
     return config
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, length: int, vocab: int) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.ids = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-class LossTrainer(Trainer):
-    """Prints each optimizer step's loss at full precision (the Trainer's log rounds it)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._micro: list[float] = []
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._micro.append(float(loss))
-        if len(self._micro) == GAS:
-            if self.args.process_index == 0:
-                print(f"LOSS {self.state.global_step + 1} {sum(self._micro):.9g}", flush=True)
-            self._micro = []
-        return loss
 
 
 def main() -> None:
