@@ -27,6 +27,7 @@ from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import CLIENT_TENSORS, META, resolve
 from meshspeed.checkpoint.reshard import ReadPlan, SavedTensors, verify_files
+from meshspeed.checkpoint.resize import micro_steps_at
 from meshspeed.checkpoint.resume import resume_tag
 from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers, tp_layout
 from meshspeed.checkpoint.tp_ranges import logical_shape
@@ -161,7 +162,9 @@ def _load_loop_state(engine, meta: dict, store: SavedTensors, load_scheduler: bo
     if load_scheduler and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     c = meta["counters"]
-    engine.global_steps, engine.micro_steps = c["global_steps"], c["micro_steps"]
+    engine.global_steps = c["global_steps"]
+    engine.micro_steps = micro_steps_at(c["micro_steps"], meta["data"],
+                                        engine.config.gradient_accumulation_steps)
     engine.global_samples, engine.skipped_steps = c["global_samples"], c["skipped_steps"]
     _load_data_position(engine, meta["data"])
     mine = [r for r in meta["ranks"] if r["rank"] == comm.get_rank()]
@@ -180,6 +183,8 @@ def _load_data_position(engine, data: dict) -> None:
     position = data.get("loader")
     same_batches = (data.get("dp_size") == engine.topology.size("dp")
                     and data.get("micro_batch_size") == engine.config.train_micro_batch_size_per_gpu)
+    # Note [the data order across a resize]: a position in global samples fits any size
+    same_batches = same_batches or (position is not None and "samples" in position)
     if position is not None and same_batches and callable(getattr(loader, "load_state_dict", None)):
         loader.load_state_dict(position)
         return

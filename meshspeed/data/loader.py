@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -54,33 +55,77 @@ def distributed_dataloader(
 
 # Note [resuming the data order]
 # A job restarted from a checkpoint must read the batches the interrupted run would have
-# read next: the sampler's epoch (its shuffle) and how many batches of that epoch were
-# handed out. The loader counts the batches its iterators hand to the caller, not what
-# the sampler has produced (worker processes fetch ahead of use), and saves (epoch,
-# batches). Loading sets the epoch and makes the next pass skip that many batches'
-# indices, without loading them; `set_epoch` with another epoch cancels the skip (the
-# script has moved elsewhere). A pass whose epoch was used up when saved yields nothing,
-# so RepeatingLoader moves on to the next epoch, as the uninterrupted run did.
-# RepeatingLoader starts counting epochs from the sampler's epoch, so a restored epoch
-# survives a script that wraps the loader anew after resuming.
+# read next: the sampler's epoch (its shuffle) and how far into that epoch the run got.
+# The loader counts the batches its iterators hand to the caller, not what the sampler
+# has produced (worker processes fetch ahead of use), and saves (epoch, batches, samples).
+# Loading sets the epoch and makes the next pass start that far in, without loading the
+# samples before; `set_epoch` with another epoch cancels the start (the script has moved
+# elsewhere). A pass whose epoch was used up when saved yields nothing, so RepeatingLoader
+# moves on to the next epoch, as the uninterrupted run did. RepeatingLoader starts
+# counting epochs from the sampler's epoch, so a restored epoch survives a script that
+# wraps the loader anew after resuming.
+#
+# Note [the data order across a resize]
+# The position is kept in GLOBAL samples (every data-parallel rank's together), because
+# an epoch's order is one list that does not depend on the data-parallel size: the
+# permutation of `seed + epoch` (or 0..N-1 unshuffled), which rank r reads from r on in
+# strides of dp_size, micro-batch after micro-batch. So the k-th micro-step of an epoch
+# reads positions [k * micro * dp, (k + 1) * micro * dp) of that list at any size, and
+# an optimizer step (micro * accumulation * dp = train_batch_size of them) reads the same
+# train_batch_size samples whatever the split into ranks and accumulation steps. A
+# checkpoint saved at position P and loaded at another dp size (or micro-batch size)
+# continues at P: rank r reads P + r, P + r + dp, ... Nothing is skipped and nothing
+# read twice, apart from what every resume does: the samples read since the checkpoint
+# are read again. Two differences from an uninterrupted run at the new size are left:
+# each size drops (or, drop_last=False, pads with) the last N mod dp samples of the order
+# for equal shards, and the last N mod (micro * dp) samples with drop_last; so with N a
+# multiple of train_batch_size the order is the same at every size.
 
 
 class ResumableSampler(DistributedSampler):
-    """A DistributedSampler whose next pass can start part-way through its epoch."""
+    """A DistributedSampler whose next pass can start part-way through its epoch, at a
+    position counted in global samples (Note [the data order across a resize])."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.pending_skip = 0  # indices the next pass leaves out (a resumed position)
+        self.pending_start = 0  # global samples of the epoch the next pass leaves out
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.pending_skip = 0  # the skip belongs to the epoch it was loaded with
+            self.pending_start = 0  # the start belongs to the epoch it was loaded with
         super().set_epoch(epoch)
 
+    def _epoch_order(self) -> list[int]:
+        """The epoch's order of every rank's samples, padded or cut to equal shards:
+        DistributedSampler's list before it takes this rank's stride."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=g).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        return _equal_shards(order, self.total_size, self.num_replicas, self.drop_last)
+
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        skip, self.pending_skip = self.pending_skip, 0
-        return iter(indices[skip:])
+        start, self.pending_start = self.pending_start, 0
+        order = self._epoch_order()
+        if start:
+            rest = order[start:]
+            order = _equal_shards(rest, len(rest) + (-len(rest)) % self.num_replicas,
+                                  self.num_replicas, self.drop_last, pad_from=order)
+        return iter(order[self.rank :: self.num_replicas])
+
+
+def _equal_shards(order: list[int], total: int, replicas: int, drop_last: bool,
+                  pad_from: list[int] | None = None) -> list[int]:
+    """`order` cut (drop_last) or padded by repeating `pad_from` (default `order`) to a
+    multiple of `replicas` samples; `total` is the padded length."""
+    if drop_last:
+        return order[: len(order) // replicas * replicas]
+    pad, source = total - len(order), pad_from if pad_from is not None else order
+    if pad <= 0 or not source:
+        return order
+    return order + (source * (pad // len(source) + 1))[:pad]
 
 
 class _CountingIterator:
@@ -94,7 +139,7 @@ class _CountingIterator:
 
     def __next__(self) -> Any:
         batch = next(self._inner)
-        self._loader.batches_read += 1
+        self._loader.samples_read += self._loader.global_batch
         return batch
 
     def __len__(self) -> int:
@@ -102,27 +147,42 @@ class _CountingIterator:
 
 
 class ResumableLoader(DataLoader):
-    """A DataLoader that knows its position: the sampler's epoch and the batches of that
-    epoch handed out (Note [resuming the data order]); `state_dict` / `load_state_dict`."""
+    """A DataLoader that knows its position: the sampler's epoch and the samples of that
+    epoch handed out, every rank's together (Note [resuming the data order],
+    Note [the data order across a resize]); `state_dict` / `load_state_dict`."""
 
-    batches_read = 0  # in the current (or, after load_state_dict, the coming) pass
+    samples_read = 0  # global samples of the current (or, after load_state_dict, the coming) pass
+
+    @property
+    def global_batch(self) -> int:
+        """Samples one micro-batch of every data-parallel rank reads together."""
+        return (self.batch_size or 1) * int(getattr(self.sampler, "num_replicas", 1))
+
+    @property
+    def batches_read(self) -> int:
+        """This rank's batches of the pass handed out (or, resumed, skipped)."""
+        return self.samples_read // self.global_batch
 
     def __iter__(self) -> Iterator:
-        skip = getattr(self.sampler, "pending_skip", 0)
-        self.batches_read = skip // self.batch_size if self.batch_size else 0
+        self.samples_read = getattr(self.sampler, "pending_start", 0)
         return _CountingIterator(super().__iter__(), self)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": int(getattr(self.sampler, "epoch", 0)), "batches": self.batches_read}
+        return {"epoch": int(getattr(self.sampler, "epoch", 0)), "batches": self.batches_read,
+                "samples": self.samples_read}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue at `state` (from `state_dict`): the next pass is that epoch, from that batch."""
+        """Continue at `state` (from `state_dict`): the next pass is that epoch, from that
+        sample, at this loader's data-parallel size and batch size. A position without
+        "samples" (saved before positions were global) is read as batches of this size."""
         epoch, batches = int(state["epoch"]), int(state["batches"])
-        if batches < 0 or epoch < 0:
-            raise ValueError(f"loader position {state} is not a position: epoch and batches are >= 0")
+        samples = int(state.get("samples", batches * self.global_batch))
+        if batches < 0 or epoch < 0 or samples < 0:
+            raise ValueError(f"loader position {state} is not a position: epoch, batches and "
+                             "samples are >= 0")
         self.sampler.set_epoch(epoch)
-        self.sampler.pending_skip = batches * (self.batch_size or 1)
-        self.batches_read = batches
+        self.sampler.pending_start = samples
+        self.samples_read = samples
 
 
 class RepeatingLoader:

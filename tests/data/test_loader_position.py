@@ -46,7 +46,7 @@ def test_the_position_counts_batches_handed_out_not_fetched_ahead():
     loader = _loader(num_workers=1)  # the worker fetches ahead of what the loop has taken
     it = iter(loader)
     _take(it, 2)
-    assert loader.state_dict() == {"epoch": 0, "batches": 2}
+    assert loader.state_dict() == {"epoch": 0, "batches": 2, "samples": 8}  # 2 ranks x 2 x 2
     expected = _take(it, 3)
     resumed = _loader()
     resumed.load_state_dict({"epoch": 0, "batches": 2})
@@ -63,5 +63,5 @@ def test_setting_another_epoch_cancels_the_skip():
 
 
 def test_a_position_that_is_no_position_is_refused():
-    with pytest.raises(ValueError, match="epoch and batches are >= 0"):
+    with pytest.raises(ValueError, match="epoch, batches and samples are >= 0"):
         _loader().load_state_dict({"epoch": 0, "batches": -1})
