@@ -21,12 +21,15 @@ TOL = 1e-5  # Note in test_elastic.py: why not bit-equal
 
 
 def agent_argv(endpoint: str, run_id: str, nproc: int, out_dir: Path, ckpt_dir: Path,
-               event: str) -> list[str]:
+               event: str, is_host: bool | None = None) -> list[str]:
     """One host's `meshspeed run` of an elastic job of 1 to 2 hosts (c10d rendezvous).
-    last_call_timeout: a lone first host starts after 3 s, not torch's 30."""
+    last_call_timeout: a lone first host starts after 3 s, not torch's 30. `is_host`: this
+    agent keeps the rendezvous's store (or not); by default, the agent on the endpoint's
+    address. On one machine every agent is on it, and the first to start would keep it."""
+    conf = "last_call_timeout=3" + ("" if is_host is None else f",is_host={str(is_host).lower()}")
     return [sys.executable, "-m", "meshspeed.cli", "run", "--nnodes", "1:2",
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, "--rdzv-conf", "last_call_timeout=3", "--max-restarts", "3",
+            "--rdzv-id", run_id, "--rdzv-conf", conf, "--max-restarts", "3",
             str(SCRIPT), str(out_dir), str(ckpt_dir), event]
 
 

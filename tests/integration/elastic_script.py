@@ -15,8 +15,8 @@ step PAUSE (the checkpoint before it is at step 3, so steps 3 and 4 are read twi
   starts another agent, whose arrival makes the launcher stop these ranks and restart the
   job at the bigger size.
 - "none": nothing happens (the reference run).
-Rank 0 appends "world W step S loss L" per optimizer step to log.txt (L: the loss of the
-whole global batch, every rank's micro-batches averaged) and writes final.pt at the end."""
+Rank 0 appends (and prints) "world W step S loss L" per optimizer step to log.txt (L: the
+loss of the whole global batch, every rank's micro-batches averaged) and writes final.pt."""
 
 from __future__ import annotations
 
@@ -68,10 +68,8 @@ def train(out_dir: str, ckpt_dir: str, event: str) -> None:
                                                 config=config, training_data=data)
     batches = iter(RepeatingLoader(loader))
     log = open(os.path.join(out_dir, "log.txt"), "a") if rank == 0 else None  # noqa: SIM115
-    if log:
-        log.write(f"start world {world} at step {engine.global_steps} accumulation "
-                  f"{engine.gradient_accumulation_steps()}\n")
-        log.flush()
+    _say(log, f"start world {world} at step {engine.global_steps} accumulation "
+              f"{engine.gradient_accumulation_steps()}")
     while engine.global_steps < TOTAL:
         step = engine.global_steps
         if step == PAUSE:
@@ -84,15 +82,21 @@ def train(out_dir: str, ckpt_dir: str, event: str) -> None:
             engine.step()
             total += loss.detach()
         dist.all_reduce(total)  # the global batch's mean loss: every micro-batch is 1 sample
-        if log:
-            log.write(f"world {world} step {step} loss {(total / GLOBAL).item()!r}\n")
-            log.flush()
+        _say(log, f"world {world} step {step} loss {(total / GLOBAL).item()!r}")
         if engine.global_steps % EVERY == 0:
             engine.save_checkpoint(ckpt_dir)
     if rank == 0:
         torch.save({k: v.clone() for k, v in engine.module.state_dict().items()},
                    os.path.join(out_dir, "final.pt"))
         log.close()
+
+
+def _say(log, line: str) -> None:
+    """Rank 0: a line in log.txt (the test reads it) and on stdout (the agent's output)."""
+    if log is not None:
+        log.write(line + "\n")
+        log.flush()
+        print(line, flush=True)
 
 
 def _event(out_dir: str, event: str, rank: int, world: int) -> None:

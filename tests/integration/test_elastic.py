@@ -46,8 +46,10 @@ def _free_port() -> int:
 
 
 def _start(tmp_path: Path, name: str, endpoint: str, event: str, victim: bool = False):
+    """Agent a keeps the rendezvous's store (agent b, a dying host, must not)."""
     log = tmp_path / f"{name}.log"
-    argv = agent_argv(endpoint, tmp_path.name, 1, tmp_path, tmp_path / "ckpt", event)
+    argv = agent_argv(endpoint, tmp_path.name, 1, tmp_path, tmp_path / "ckpt", event,
+                      is_host=name == "agent_a")
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, env=agent_env(victim), cwd=tmp_path, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
