@@ -21,7 +21,7 @@ TOL = 1e-5  # Note in test_elastic.py: why not bit-equal
 
 
 def agent_argv(endpoint: str, run_id: str, nproc: int, out_dir: Path, ckpt_dir: Path,
-               event: str, is_host: bool | None = None) -> list[str]:
+               event: str, is_host: bool | None = None, stage: int = 2) -> list[str]:
     """One host's `meshspeed run` of an elastic job of 1 to 2 hosts (c10d rendezvous).
     last_call_timeout: a lone first host starts after 3 s, not torch's 30. `is_host`: this
     agent keeps the rendezvous's store (or not); by default, the agent on the endpoint's
@@ -30,7 +30,7 @@ def agent_argv(endpoint: str, run_id: str, nproc: int, out_dir: Path, ckpt_dir: 
     return [sys.executable, "-m", "meshspeed.cli", "run", "--nnodes", "1:2",
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", run_id, "--rdzv-conf", conf, "--max-restarts", "3",
-            str(SCRIPT), str(out_dir), str(ckpt_dir), event]
+            str(SCRIPT), str(out_dir), str(ckpt_dir), event, str(stage)]
 
 
 def agent_env(victim: bool = False) -> dict[str, str]:

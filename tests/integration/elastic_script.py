@@ -6,7 +6,7 @@ the c10d rendezvous, and uninterrupted through the test harness as the reference
 world size (8 / dp). With `checkpoint.auto_resume`, every start resumes by itself from the
 newest complete checkpoint, resharded to the size of that start.
 
-argv: OUT_DIR CKPT_DIR EVENT. EVENT says what the test does to the job after optimizer
+argv: OUT_DIR CKPT_DIR EVENT [ZERO_STAGE, default 2]. EVENT says what the test does to the job after optimizer
 step PAUSE (the checkpoint before it is at step 3, so steps 3 and 4 are read twice):
 - "shrink": at the biggest size the ranks of the host that will die (ELASTIC_VICTIM=1 in
   their agent's environment) write `victim-<rank>` (their pid and their agent's) and wait
@@ -44,7 +44,7 @@ def _hold(out_dir: str, name: str, rank: int) -> None:
              f"{WAIT_S} s the test neither killed it nor made the job restart")
 
 
-def train(out_dir: str, ckpt_dir: str, event: str) -> None:
+def train(out_dir: str, ckpt_dir: str, event: str, stage: int = 2) -> None:
     import torch.distributed as dist
 
     import meshspeed
@@ -62,7 +62,7 @@ def train(out_dir: str, ckpt_dir: str, event: str) -> None:
     model = GPT(TINY)  # no dropout: a rank's RNG state does not matter
     config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 2}, "comms_timeout": 120,
+              "zero_optimization": {"stage": stage}, "comms_timeout": 120,
               "checkpoint": {"auto_resume": True, "dir": ckpt_dir}}
     engine, _, loader, _ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 config=config, training_data=data)
@@ -85,9 +85,9 @@ def train(out_dir: str, ckpt_dir: str, event: str) -> None:
         _say(log, f"world {world} step {step} loss {(total / GLOBAL).item()!r}")
         if engine.global_steps % EVERY == 0:
             engine.save_checkpoint(ckpt_dir)
+    params = engine.state_dict()  # whole tensors (under ZeRO-3 a collective)
     if rank == 0:
-        torch.save({k: v.clone() for k, v in engine.module.state_dict().items()},
-                   os.path.join(out_dir, "final.pt"))
+        torch.save(params, os.path.join(out_dir, "final.pt"))
         log.close()
 
 
@@ -110,4 +110,4 @@ def _event(out_dir: str, event: str, rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    train(sys.argv[1], sys.argv[2], sys.argv[3])
+    train(sys.argv[1], sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:5]))

@@ -2,7 +2,8 @@
 localhost (c10d rendezvous, one rank each) stand for two hosts. Shrink: the second agent
 and its rank are killed mid-run and never come back; the job continues on one rank.
 Grow: the job starts on one agent; a second agent started later makes it restart on two.
-Both resume from the newest complete checkpoint (auto_resume), resharded to the new size,
+Both resume from the newest complete checkpoint (auto_resume), resharded (ZeRO-3: the
+parameters, their gradients and the optimizer state are sharded) to the new size,
 and end as the uninterrupted run at the same global batch does (train_batch_size 8; the
 accumulation follows the size: Note [accumulation across a resize]; the data continues at
 the same global sample: Note [the data order across a resize]).
@@ -30,12 +31,15 @@ from meshspeed.testing.harness import run_distributed
 from tests.integration import elastic_runs, elastic_script
 from tests.integration.elastic_runs import agent_argv, agent_env, attempts, stop, tail, wait_for
 
+STAGE = 3  # parameters sharded too (test_elastic_hosts.py runs ZeRO-2)
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run: 2 ranks, accumulation 4, no event."""
+    """The uninterrupted run: 2 ranks, accumulation 4, no event, ZeRO-3."""
     out = tmp_path_factory.mktemp("reference")
-    run_distributed(elastic_script.train, 2, args=(str(out), str(out / "ckpt"), "none"), timeout=180)
+    run_distributed(elastic_script.train, 2, args=(str(out), str(out / "ckpt"), "none", STAGE),
+                    timeout=180)
     return out
 
 
@@ -49,7 +53,7 @@ def _start(tmp_path: Path, name: str, endpoint: str, event: str, victim: bool = 
     """Agent a keeps the rendezvous's store (agent b, a dying host, must not)."""
     log = tmp_path / f"{name}.log"
     argv = agent_argv(endpoint, tmp_path.name, 1, tmp_path, tmp_path / "ckpt", event,
-                      is_host=name == "agent_a")
+                      is_host=name == "agent_a", stage=STAGE)
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, env=agent_env(victim), cwd=tmp_path, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
