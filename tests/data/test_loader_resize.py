@@ -101,3 +101,21 @@ def test_a_position_saved_before_positions_were_global_is_read_at_this_size():
     old = _loaders(40, 2, 2)[1]
     old.load_state_dict({"epoch": 0, "batches": 3})
     assert [b.tolist() for b in old] == [b.tolist() for b in expected]
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
+def test_an_epoch_used_up_before_the_resize_goes_on_with_the_next(before, after):
+    n = 16
+    loaders = _loaders(n, 1, before)
+    _global_stream([iter(loader) for loader in loaders], n // before)  # the whole epoch
+    state = loaders[0].state_dict()
+    assert state == {"epoch": 0, "batches": n // before, "samples": n}
+
+    resumed = _loaders(n, 1, after)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    fresh = _loaders(n, 1, after)
+    for loader in fresh:
+        loader.sampler.set_epoch(1)
+    got = _global_stream([iter(RepeatingLoader(loader)) for loader in resumed], n // after)
+    assert got == _global_stream([iter(loader) for loader in fresh], n // after)  # epoch 1
