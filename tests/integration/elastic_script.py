@@ -25,6 +25,12 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+
+import meshspeed
+from meshspeed.data import RepeatingLoader
+from meshspeed.models.gpt import GPT
+from meshspeed.testing.engines import TINY
 
 GLOBAL = 8  # train_batch_size: samples per optimizer step, at every size
 SAMPLES = 40  # 5 steps per epoch, so the run crosses an epoch end after the resize
@@ -45,13 +51,6 @@ def _hold(out_dir: str, name: str, rank: int) -> None:
 
 
 def train(out_dir: str, ckpt_dir: str, event: str, stage: int = 2) -> None:
-    import torch.distributed as dist
-
-    import meshspeed
-    from meshspeed.data import RepeatingLoader
-    from meshspeed.models.gpt import GPT
-    from meshspeed.testing.engines import TINY
-
     torch.set_num_threads(1)
     meshspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
