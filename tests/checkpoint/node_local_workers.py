@@ -1,0 +1,64 @@
+"""Rank functions for tests/checkpoint/test_node_local.py (module level, so they pickle)."""
+
+from __future__ import annotations
+
+import os
+
+from meshspeed import comm
+from tests.checkpoint import workers
+
+LOCAL = {"checkpoint": {"use_node_local_storage": True}}
+
+
+def resume_local(root: str, stage: int, n: int = 2, m: int = 2) -> dict:
+    """The key on one host: N steps, save, M steps == fresh engine, load, M steps."""
+    setup = workers.setup_for(comm.get_world_size(), stage, steps=n + m, extra_config=LOCAL)
+    a = workers.make_engine(setup)
+    workers.train(a, setup, 0, n)
+    a.save_checkpoint(root, client_state={"t": 1})
+    losses_a = workers.train(a, setup, n, n + m)
+    b = workers.make_engine(setup, seed=7)
+    path, client = b.load_checkpoint(root)
+    return {"equal": losses_a == workers.train(b, setup, n, n + m), "path": path, "client": client,
+            "files": sorted(os.listdir(path))}
+
+
+def check_shared_with(tmp_of_rank: list[str], save_dir: str) -> str | None:
+    """local_save.check_shared where each rank is given its own view of rank 0's directory."""
+    from meshspeed.checkpoint import CheckpointError, local_save
+
+    try:
+        local_save.check_shared(tmp_of_rank[comm.get_rank()], save_dir)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def full_disk_local(root: str, failing_rank: int) -> dict:
+    """Node-local save of global_step1, then global_step2 with `failing_rank`'s disk full."""
+    import errno
+
+    from meshspeed.checkpoint import CheckpointError, tensorfile
+    from meshspeed.checkpoint.paths import read_latest
+
+    setup = workers.setup_for(comm.get_world_size(), 2, steps=3, extra_config=LOCAL)
+    engine = workers.make_engine(setup)
+    workers.train(engine, setup, 0, 1)
+    engine.save_checkpoint(root)
+    workers.train(engine, setup, 1, 2)
+
+    def full(f, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    original = tensorfile._write_chunk
+    if comm.get_rank() == failing_rank:
+        tensorfile._write_chunk = full
+    error = None
+    try:
+        engine.save_checkpoint(root)
+    except CheckpointError as err:
+        error = str(err)
+    finally:
+        tensorfile._write_chunk = original
+    comm.barrier()
+    return {"error": error, "latest": read_latest(root), "entries": sorted(os.listdir(root))}
