@@ -149,7 +149,7 @@ def _load_optimizer(engine, store: SavedTensors, slices, plans: dict[str, ReadPl
         state: dict[str, Any] = {k: _scalar(v, s.key.device)
                                  for k, v in entry["optimizer_scalars"].items()}
         for k in keys:
-            t = torch.empty(s.key.shape, dtype=store.saved_dtype(s.name, f"optim/{k}"),
+            t = torch.empty(s.key.shape, dtype=store.saved_dtype(s.name, f"optim/{k}", plans[s.name], s.key.dtype),
                             device=s.key.device)
             store.fill_planned(plans[s.name], f"optim/{k}", t)
             state[k] = t
