@@ -102,13 +102,12 @@ def gather(hosts: list[str], src: str, tag: str | None, to: str, ssh: list[str],
             raise CheckpointError(f"no host of {', '.join(hosts)} holds {os.path.join(src, tag)} "
                                   f"({'; '.join(f'{h}: {w}' for h, w in failed.items())})")
         final = os.path.join(to, tag)
-        _merge(got, final)
-        meta = read_meta(final)
-        try:
-            verify_files(final, meta)
-        except CheckpointError as err:
-            raise CheckpointError(f"the hosts' copies of {tag} do not make a complete checkpoint: "
-                                  f"{err}") from None
+        if os.path.isdir(final):  # e.g. this host's own copy: add the files it lacks
+            _merge(got, final)
+            _check(final, tag)
+        else:  # appears only when complete
+            _check(got, tag)
+            publish_dir(got, final)
     finally:
         remove_tree(stage)
     if from_latest and read_latest(to) != tag:
@@ -117,14 +116,18 @@ def gather(hosts: list[str], src: str, tag: str | None, to: str, ssh: list[str],
 
 
 def _merge(got: str, final: str) -> None:
-    """Move the gathered files into `final`: at once when it does not exist; else each
-    file it lacks (a host's own copy becomes complete)."""
-    if not os.path.isdir(final):
-        publish_dir(got, final)
-        return
+    """Move into `final` each gathered file it lacks."""
     for name in sorted(os.listdir(got)):
         if not os.path.exists(os.path.join(final, name)):
             os.replace(os.path.join(got, name), os.path.join(final, name))
+
+
+def _check(path: str, tag: str) -> None:
+    try:
+        verify_files(path, read_meta(path))
+    except CheckpointError as err:
+        raise CheckpointError(f"the hosts' copies of {tag} do not make a complete checkpoint: "
+                              f"{err}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,16 +10,17 @@ from tests.checkpoint import workers
 LOCAL = {"checkpoint": {"use_node_local_storage": True}}
 
 
-def resume_local(root: str, stage: int, n: int = 2, m: int = 2) -> dict:
+def resume_local(root: str, stage: int, n: int = 2, m: int = 2, async_save: bool = False) -> dict:
     """The key on one host: N steps, save, M steps == fresh engine, load, M steps."""
-    setup = workers.setup_for(comm.get_world_size(), stage, steps=n + m, extra_config=LOCAL)
+    extra = {"checkpoint": {"use_node_local_storage": True, "async_save": async_save}}
+    setup = workers.setup_for(comm.get_world_size(), stage, steps=n + m, extra_config=extra)
     a = workers.make_engine(setup)
     workers.train(a, setup, 0, n)
     a.save_checkpoint(root, client_state={"t": 1})
     losses_a = workers.train(a, setup, n, n + m)
     b = workers.make_engine(setup, seed=7)
     path, client = b.load_checkpoint(root)
-    return {"equal": losses_a == workers.train(b, setup, n, n + m), "path": path, "client": client,
+    return {"meta": _meta(path), "equal": losses_a == workers.train(b, setup, n, n + m), "path": path, "client": client,
             "files": sorted(os.listdir(path))}
 
 
@@ -62,3 +63,22 @@ def full_disk_local(root: str, failing_rank: int) -> dict:
         tensorfile._write_chunk = original
     comm.barrier()
     return {"error": error, "latest": read_latest(root), "entries": sorted(os.listdir(root))}
+
+
+def _meta(path: str) -> dict:
+    import json
+
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def agree_on_resume(dir_of_rank: list[str]) -> tuple[str | None, str] | str:
+    """resume._agree_across_hosts where each rank reads its own directory (its 'disk')."""
+    from meshspeed.checkpoint import CheckpointError, resume
+
+    mine = dir_of_rank[comm.get_rank()]
+    tag, why = resume.newest_complete(mine)
+    try:
+        return resume._agree_across_hosts(mine, tag, why)
+    except CheckpointError as err:
+        return str(err)
