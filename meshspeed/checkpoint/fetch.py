@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 
 import torch
 
@@ -77,12 +78,41 @@ def plan_transfers(meta: dict, placement: Placement, have: list[list[str]],
     return transfers, unheld
 
 
-def gather_hint(path: str, meta: dict) -> str:
-    saved_on = ", ".join(dict.fromkeys(meta["storage"]["hosts"]))
+def gather_hint(path: str, meta: dict | None, on: str | None = None) -> str:
+    """How to gather checkpoint `path`: into a DIR to load from, or (`on`: hosts lacking it)
+    into the same path on those hosts."""
     parent, tag = os.path.split(os.path.normpath(path))
-    return (f"gather it first with `meshspeed gather-checkpoint --hostfile HOSTFILE --tag {tag} "
-            f"{parent} --to DIR` (it copies every host's files into DIR over ssh; it was saved on "
-            f"{saved_on}) and load from DIR")
+    command = f"meshspeed gather-checkpoint --hostfile HOSTFILE --tag {tag} {parent}"
+    if on is not None:
+        return f"run `{command}` on {on} (it copies every host's files there over ssh)"
+    saved_on = f"; it was saved on {', '.join(dict.fromkeys(meta['storage']['hosts']))}" if meta else ""
+    return (f"gather it first with `{command} --to DIR` (it copies every host's files into DIR "
+            f"over ssh{saved_on}) and load from DIR")
+
+
+def open_on_every_host(open_fn, load_dir, tag) -> tuple[str, dict]:
+    """Collective `open_fn(load_dir, tag) -> (path, meta)` on every rank, raising on every
+    rank if it failed anywhere; where it failed only on ranks whose disks lack a node-local
+    checkpoint that other hosts hold (a new or replaced host), in one sentence naming them and
+    the gather command instead of a missing path."""
+    try:
+        result, error = open_fn(load_dir, tag), None
+    except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks
+        result, error = None, err
+    views = comm.all_gather_object((None if error else result[0],
+                                    error is None and is_node_local(result[1]), socket.gethostname()))
+    failed = [r for r, v in enumerate(views) if v[0] is None]
+    if failed and len(failed) < len(views) and all(v[1] for v in views if v[0] is not None):
+        path = next(v[0] for v in views if v[0] is not None)
+        where = Placement(tuple(v[2] for v in views))
+        holders = list(dict.fromkeys(where.hostnames[r] for r in range(len(views)) if r not in failed))
+        raise CheckpointError(
+            f"{where.describe(failed)} {'lacks' if len(failed) == 1 else 'lack'} checkpoint {path}, saved on node-local disks and held "
+            f"by {', '.join(holders)}: "
+            f"{gather_hint(path, None, ', '.join(dict.fromkeys(where.hostnames[r] for r in failed)))}"
+            ) from error
+    agree(error)
+    return result
 
 
 def fetch_missing(path: str, meta: dict, needed: set[str], placement: Placement) -> int:

@@ -23,7 +23,13 @@ from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
 from meshspeed.checkpoint.deepspeed_format.discover import find_tag
 from meshspeed.checkpoint.deepspeed_format.universal import check_universal, universal_tag
 from meshspeed.checkpoint.errors import CheckpointError
-from meshspeed.checkpoint.fetch import fetch_missing, files_needed, is_node_local, verify_local
+from meshspeed.checkpoint.fetch import (
+    fetch_missing,
+    files_needed,
+    is_node_local,
+    open_on_every_host,
+    verify_local,
+)
 from meshspeed.checkpoint.hosts import Placement, gather_placement
 from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
@@ -264,7 +270,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         tag = resume_tag(load_dir, engine.config.checkpoint.use_node_local_storage)
         if tag is None:
             return None, None  # a first run: nothing to resume (DeepSpeed's return)
-    path, meta = everywhere(_open, load_dir, tag)
+    path, meta = open_on_every_host(_open, load_dir, tag)
     same_everywhere("checkpoint to load", os.path.abspath(path))
     placement = gather_placement() if any(comm.all_gather_object(is_node_local(meta))) else None
     everywhere(_verify, path, meta, placement)

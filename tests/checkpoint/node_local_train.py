@@ -1,6 +1,7 @@
 """A training script for test_node_local_hosts.py, launched by torchrun on each host.
 
-    node_local_train.py SAVE_DIR OUT.json --steps 4 [--save-at 2] [--resume] [--stage 2] [--no-key]
+    node_local_train.py SAVE_DIR OUT.json --steps 4 [--save-at 2 ...] [--resume] [--auto-resume]
+        [--stage 2] [--no-key]
 
 Trains steps [first, steps) of tests/checkpoint/workers.py's setup (first: 0, or the loaded
 checkpoint's step), saving at `--save-at`; rank 0 writes {"losses", "loaded", "error"} to
@@ -27,12 +28,14 @@ def main() -> int:
     p.add_argument("save_dir")
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--save-at", type=int, default=None)
+    p.add_argument("--save-at", type=int, action="append", default=[])
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--no-key", action="store_true")
+    p.add_argument("--auto-resume", action="store_true")
     a = p.parse_args()
-    extra = {} if a.no_key else {"checkpoint": {"use_node_local_storage": True}}
+    extra = {} if a.no_key else {"checkpoint": {"use_node_local_storage": True,
+                                                "auto_resume": a.auto_resume}}
     world = int(os.environ["WORLD_SIZE"])
     setup = workers.setup_for(world, a.stage, steps=a.steps, extra_config=extra)
     engine = workers.make_engine(setup)
@@ -45,7 +48,7 @@ def main() -> int:
         first = engine.global_steps
         for step in range(first, a.steps):
             out["losses"] += workers.train(engine, setup, step, step + 1)
-            if a.save_at == step + 1:
+            if step + 1 in a.save_at:
                 engine.save_checkpoint(a.save_dir)
     except CheckpointError as err:
         out["error"], status = str(err), 3

@@ -155,3 +155,25 @@ def test_without_the_key_the_first_save_fails_in_one_sentence(cluster):
     assert "checkpoint.use_node_local_storage" in msg
     # nothing left behind: rank 0 removed its temporary directory
     assert _listing(cluster.hosts[0], save_dir) == []
+
+
+def test_auto_resume_takes_the_newest_checkpoint_on_every_host_and_a_new_host_is_told(cluster):
+    save_dir = str(cluster.local_path / "run2")
+    node0, node1 = cluster.hosts
+    r = launch(cluster, cluster.hosts, 2, [save_dir, "--steps", "4", "--save-at", "2", "--save-at", "4"], "run2")
+    assert r["error"] is None, r["log"]
+    # node1's disk lost global_step4 (as if its save had failed there): resume from global_step2
+    node1.run(["sh", "-c", f"rm -r {save_dir}/global_step4 && echo global_step2 > {save_dir}/latest"],
+              env=_env(), check=True)
+    a = launch(cluster, cluster.hosts, 2, [save_dir, "--steps", "4", "--resume", "--auto-resume"], "auto")
+    assert a["error"] is None, a["log"]
+    assert a["loaded"].endswith("global_step2") and a["losses"] == r["losses"][2:]
+    # a host whose disk holds nothing (a replaced host): one sentence naming it and the command
+    node1.run(["rm", "-r", save_dir], env=_env(), check=True)
+    n = launch(cluster, cluster.hosts, 2, [save_dir, "--steps", "4", "--resume"], "new-host")
+    msg = n["error"]
+    assert msg is not None and "\n" not in msg, n["log"]
+    assert msg == (f"ranks 2, 3 (on node1) lack checkpoint {save_dir}/global_step4, saved on "
+                   "node-local disks and held by node0: run `meshspeed gather-checkpoint --hostfile "
+                   f"HOSTFILE --tag global_step4 {save_dir}` on node1 (it copies every host's files "
+                   "there over ssh)")
