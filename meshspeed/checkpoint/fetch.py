@@ -124,9 +124,9 @@ def fetch_missing(path: str, meta: dict, needed: set[str], placement: Placement)
     transfers, unheld = plan_transfers(meta, placement, [h for h, _ in info], [lk for _, lk in info])
     if unheld:
         name, hosts = next(iter(unheld.items()))
-        more = f" and {len(unheld) - 1} more file(s)" if len(unheld) > 1 else ""
+        more = f" (and {len(unheld) - 1} more file{'s' if len(unheld) > 2 else ''})" if len(unheld) > 1 else ""
         raise CheckpointError(
-            f"checkpoint {path} was saved on node-local disks and {name}{more}, needed on "
+            f"checkpoint {path} was saved on node-local disks, and {name}{more}, needed on "
             f"{', '.join(hosts)}, is on no host of this job: {gather_hint(path, meta)}")
     rank, error, received = comm.get_rank(), None, 0
     for name, src, dst in transfers:
