@@ -29,7 +29,7 @@ from meshspeed import comm
 from meshspeed.checkpoint.agree import agree
 from meshspeed.checkpoint.atomic import temp_name
 from meshspeed.checkpoint.errors import CheckpointError
-from meshspeed.checkpoint.hosts import Placement
+from meshspeed.checkpoint.hosts import Placement, gather_hint
 from meshspeed.checkpoint.paths import CLIENT_TENSORS
 from meshspeed.checkpoint.reshard import verify_file
 
@@ -76,18 +76,6 @@ def plan_transfers(meta: dict, placement: Placement, have: list[list[str]],
                 continue
             transfers.append((name, holders[len(transfers) % len(holders)], needers[0]))
     return transfers, unheld
-
-
-def gather_hint(path: str, meta: dict | None, on: str | None = None) -> str:
-    """How to gather checkpoint `path`: into a DIR to load from, or (`on`: hosts lacking it)
-    into the same path on those hosts."""
-    parent, tag = os.path.split(os.path.normpath(path))
-    command = f"meshspeed gather-checkpoint --hostfile HOSTFILE --tag {tag} {parent}"
-    if on is not None:
-        return f"run `{command}` on {on} (it copies every host's files there over ssh)"
-    saved_on = f"; it was saved on {', '.join(dict.fromkeys(meta['storage']['hosts']))}" if meta else ""
-    return (f"gather it first with `{command} --to DIR` (it copies every host's files into DIR "
-            f"over ssh{saved_on}) and load from DIR")
 
 
 def open_on_every_host(open_fn, load_dir, tag) -> tuple[str, dict]:

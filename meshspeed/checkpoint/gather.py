@@ -104,9 +104,9 @@ def gather(hosts: list[str], src: str, tag: str | None, to: str, ssh: list[str],
         final = os.path.join(to, tag)
         if os.path.isdir(final):  # e.g. this host's own copy: add the files it lacks
             _merge(got, final)
-            _check(final, tag)
+            _check(final, tag, hosts)
         else:  # appears only when complete
-            _check(got, tag)
+            _check(got, tag, hosts)
             publish_dir(got, final)
     finally:
         remove_tree(stage)
@@ -122,9 +122,17 @@ def _merge(got: str, final: str) -> None:
             os.replace(os.path.join(got, name), os.path.join(final, name))
 
 
-def _check(path: str, tag: str) -> None:
+def _check(path: str, tag: str, hosts: list[str]) -> None:
+    meta = read_meta(path)
+    missing = [n for n in sorted(meta["files"]) if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+        saved_on = ", ".join(dict.fromkeys((meta.get("storage") or {}).get("hosts", [])))
+        raise CheckpointError(f"the hosts' copies of {tag} do not make a complete checkpoint: "
+                              f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} on none "
+                              f"of {', '.join(hosts)}" + (f" (it was saved on {saved_on}): list "
+                              "those hosts in the hostfile" if saved_on else ""))
     try:
-        verify_files(path, read_meta(path))
+        verify_files(path, meta)
     except CheckpointError as err:
         raise CheckpointError(f"the hosts' copies of {tag} do not make a complete checkpoint: "
                               f"{err}") from None

@@ -87,3 +87,15 @@ def storage_groups(seen: list[tuple[int, ...]]) -> list[list[int]]:
     for rank, probes in enumerate(seen):
         groups.setdefault(probes, []).append(rank)
     return sorted(groups.values())
+
+
+def gather_hint(path: str, meta: dict | None, on: str | None = None) -> str:
+    """How to gather checkpoint `path`: into a DIR to load from, or (`on`: hosts lacking it)
+    into the same path on those hosts."""
+    parent, tag = os.path.split(os.path.normpath(path))
+    command = f"meshspeed gather-checkpoint --hostfile HOSTFILE --tag {tag} {parent}"
+    if on is not None:
+        return f"run `{command}` on {on} (it copies every host's files there over ssh)"
+    saved_on = f"; it was saved on {', '.join(dict.fromkeys(meta['storage']['hosts']))}" if meta else ""
+    return (f"gather it first with `{command} --to DIR` (it copies every host's files into DIR "
+            f"over ssh{saved_on}) and load from DIR")

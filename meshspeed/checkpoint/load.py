@@ -19,8 +19,8 @@ import torch
 from meshspeed import comm
 from meshspeed.checkpoint import pending
 from meshspeed.checkpoint.agree import everywhere, rank0_path, same_everywhere
-from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
 from meshspeed.checkpoint.deepspeed_format.discover import find_tag
+from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
 from meshspeed.checkpoint.deepspeed_format.universal import check_universal, universal_tag
 from meshspeed.checkpoint.errors import CheckpointError
 from meshspeed.checkpoint.fetch import (

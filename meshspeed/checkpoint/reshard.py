@@ -22,6 +22,7 @@ import torch
 
 from meshspeed.checkpoint import tp_ranges
 from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.hosts import gather_hint
 from meshspeed.checkpoint.tensorfile import TensorFile, sha256_file
 from meshspeed.checkpoint.tp_ranges import Copy
 from meshspeed.topology.shards import TPShard
@@ -183,5 +184,9 @@ def verify_files(path: str, meta: dict[str, Any], rank: int = 0, world: int = 1)
         if i % world == rank:
             if os.path.basename(name) != name:
                 raise CheckpointError(f"{path}: file name {name!r} in meta.json leaves the directory")
-            verify_file(os.path.join(path, name), meta["files"][name])
+            where = os.path.join(path, name)
+            if not os.path.isfile(where) and (meta.get("storage") or {}).get("node_local"):
+                raise CheckpointError(f"{where} is missing: this is one host's part of a checkpoint "
+                                      f"saved on node-local disks; {gather_hint(path, meta)}")
+            verify_file(where, meta["files"][name])
 

@@ -5,7 +5,10 @@ creates `<tag>.tmp-<nonce>/`; every rank snapshots its state; then, either now o
 background thread (`checkpoint.async_save`), every rank writes its file and marker and rank
 0 publishes (Note [publishing a checkpoint] in writer.py). A failure on any rank raises on
 all ranks and leaves `latest` and earlier checkpoints untouched. State in swap files is
-always written before returning (Note [streaming swapped state] in snapshot.py).
+always written before returning (Note [streaming swapped state] in snapshot.py). With
+`checkpoint.use_node_local_storage` each disk's first rank does rank 0's part there (Note
+[checkpoints on node-local disks] in hosts.py); without it, every rank first checks that it
+sees rank 0's temporary directory (local_save.check_shared).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ waits for all markers, writes meta.json, renames the directory to `<tag>/` and o
 replaces `latest`. A crash at any point before that rename leaves only a `.tmp-` directory
 (ignored by loaders, removed by the next save of that tag), so `latest` always names a
 complete checkpoint. Markers are files rather than a collective so that the same code
-serves asynchronous saves, whose background threads must not call collectives.
+serves asynchronous saves, whose background threads must not call collectives. On
+node-local disks every disk is published this way by its own first rank (`seal`, then
+`finish` once every disk is sealed: local_save.py).
 """
 
 from __future__ import annotations

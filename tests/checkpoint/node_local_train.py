@@ -18,9 +18,9 @@ import torch
 
 torch.set_num_threads(1)
 
-from meshspeed import comm  # noqa: E402
-from meshspeed.checkpoint import CheckpointError  # noqa: E402
-from tests.checkpoint import workers  # noqa: E402
+from meshspeed import comm
+from meshspeed.checkpoint import CheckpointError
+from tests.checkpoint import workers
 
 
 def main() -> int:
