@@ -1,7 +1,7 @@
 """A training script for test_node_local_hosts.py, launched by torchrun on each host.
 
     node_local_train.py SAVE_DIR OUT.json --steps 4 [--save-at 2 ...] [--resume] [--auto-resume]
-        [--stage 2] [--no-key]
+        [--stage 2] [--no-key] [--full-disk-rank R]
 
 Trains steps [first, steps) of tests/checkpoint/workers.py's setup (first: 0, or the loaded
 checkpoint's step), saving at `--save-at`; rank 0 writes {"losses", "loaded", "error"} to
@@ -23,6 +23,17 @@ from meshspeed.checkpoint import CheckpointError
 from tests.checkpoint import workers
 
 
+def _fill_disk() -> None:
+    import errno
+
+    from meshspeed.checkpoint import tensorfile
+
+    def full(f, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tensorfile._write_chunk = full
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("save_dir")
@@ -33,6 +44,8 @@ def main() -> int:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--no-key", action="store_true")
     p.add_argument("--auto-resume", action="store_true")
+    p.add_argument("--full-disk-rank", type=int, default=None,
+                   help="this rank's disk is full from the second save on")
     a = p.parse_args()
     extra = {} if a.no_key else {"checkpoint": {"use_node_local_storage": True,
                                                 "auto_resume": a.auto_resume}}
@@ -49,6 +62,8 @@ def main() -> int:
         for step in range(first, a.steps):
             out["losses"] += workers.train(engine, setup, step, step + 1)
             if step + 1 in a.save_at:
+                if a.full_disk_rank == comm.get_rank() and step + 1 > min(a.save_at):
+                    _fill_disk()
                 engine.save_checkpoint(a.save_dir)
     except CheckpointError as err:
         out["error"], status = str(err), 3

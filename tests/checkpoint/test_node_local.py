@@ -196,3 +196,11 @@ def test_gather_command_line(two_disks):
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == (f"gathered {root / 'cli' / 'global_step1'}: a complete "
                                          "checkpoint, loadable at any layout")
+
+
+def test_the_key_on_a_shared_directory_with_two_hosts_makes_one_checkpoint(tmp_path):
+    out = run_distributed(w.shared_disk_two_hostnames, 4, args=(str(tmp_path / "ckpt"),))
+    assert all(o["equal"] for o in out)
+    assert out[0]["files"] == ["meta.json", *[f"rank-0000{r}.safetensors" for r in range(4)]]
+    assert out[0]["meta"]["storage"]["hosts"] == ["hostA", "hostA", "hostB", "hostB"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step2", "latest"]

@@ -157,6 +157,16 @@ def test_without_the_key_the_first_save_fails_in_one_sentence(cluster):
     assert _listing(cluster.hosts[0], save_dir) == []
 
 
+def test_a_failure_on_one_host_raises_everywhere_and_moves_no_hosts_latest(cluster):
+    save_dir = str(cluster.local_path / "fail")
+    r = launch(cluster, cluster.hosts, 2, [save_dir, "--steps", "4", "--save-at", "2", "--save-at", "4",
+                                           "--full-disk-rank", "3"], "fail")
+    assert r["error"].startswith("rank 3: cannot write") and "no space left on device" in r["error"], r["log"]
+    for h in cluster.hosts:  # no temporary directory left, `latest` as it was
+        assert _listing(h, save_dir) == ["global_step2", "latest"]
+        assert h.run(["cat", f"{save_dir}/latest"], env=_env()).stdout == "global_step2"
+
+
 def test_auto_resume_takes_the_newest_checkpoint_on_every_host_and_a_new_host_is_told(cluster):
     save_dir = str(cluster.local_path / "run2")
     node1 = cluster.hosts[1]
