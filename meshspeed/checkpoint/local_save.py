@@ -98,14 +98,19 @@ def start(save_dir: str, tag: str) -> LocalSave:
     placement = gather_placement()
     rank = comm.get_rank()
     tmp = comm.broadcast_object(temp_dir(save_dir, tag) if rank == 0 else None, src=0)
-    error = None
-    if placement.leader(rank) == rank:
+    error, leader = None, placement.leader(rank) == rank
+    if leader:
         try:
             prepare(save_dir, tag, tmp)
             leave_probe(tmp, rank)
         except (CheckpointError, OSError) as err:
             error = err
-    agree(error)
+    try:
+        agree(error)
+    except CheckpointError:
+        if leader:
+            discard(tmp)
+        raise
     seen = comm.all_gather_object(probes_seen(tmp))
     groups = storage_groups(seen)
     blind = [r for r, probes in enumerate(seen) if not probes]
