@@ -97,3 +97,20 @@ def shared_disk_two_hostnames(root: str) -> dict:
     finally:
         socket.gethostname = original
     return out
+
+
+def fetch_between(dirs: list[str], needed: list[list[str]]) -> dict:
+    """fetch.fetch_missing with each rank a host of its own whose disk is dirs[rank]."""
+    from meshspeed.checkpoint import CheckpointError
+    from meshspeed.checkpoint.fetch import fetch_missing
+    from meshspeed.checkpoint.hosts import Placement
+    from meshspeed.checkpoint.metadata import read_meta
+
+    rank = comm.get_rank()
+    meta = read_meta(dirs[rank])
+    placement = Placement(tuple(f"host{r}" for r in range(comm.get_world_size())))
+    try:
+        received = fetch_missing(dirs[rank], meta, set(needed[rank]), placement)
+    except CheckpointError as err:
+        return {"error": str(err), "files": sorted(os.listdir(dirs[rank]))}
+    return {"error": None, "received": received, "files": sorted(os.listdir(dirs[rank]))}

@@ -204,3 +204,41 @@ def test_the_key_on_a_shared_directory_with_two_hosts_makes_one_checkpoint(tmp_p
     assert out[0]["files"] == ["meta.json", *[f"rank-0000{r}.safetensors" for r in range(4)]]
     assert out[0]["meta"]["storage"]["hosts"] == ["hostA", "hostA", "hostB", "hostB"]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step2", "latest"]
+
+
+# -- sending files a host lacks -------------------------------------------------------------------
+@pytest.fixture
+def split_disks(tmp_path):
+    """A world-2 checkpoint tag split over two 'disks': each holds meta.json and its rank's file."""
+    run_distributed(workers.save_after, 2, args=(2, [2], str(tmp_path / "saved"), 1, 2))
+    tag = tmp_path / "saved" / "dp2-stage2" / "global_step1"
+    dirs = []
+    for r in range(2):
+        d = tmp_path / f"disk{r}" / "global_step1"
+        shutil.copytree(tag, d)
+        os.remove(d / f"rank-0000{1 - r}.safetensors")
+        dirs.append(str(d))
+    return dirs
+
+
+def test_a_file_a_host_lacks_is_sent_checked_and_kept(split_disks):
+    out = run_distributed(w.fetch_between, 2, args=(split_disks, [["rank-00001.safetensors"], []]))
+    assert out[0]["error"] is None and out[1]["error"] is None
+    assert out[0]["files"] == ["meta.json", "rank-00000.safetensors", "rank-00001.safetensors"]
+    assert out[0]["received"] == os.path.getsize(os.path.join(split_disks[1], "rank-00001.safetensors"))
+    assert out[1]["files"] == ["meta.json", "rank-00001.safetensors"]  # it needed nothing
+    with open(os.path.join(split_disks[0], "rank-00001.safetensors"), "rb") as a, \
+            open(os.path.join(split_disks[1], "rank-00001.safetensors"), "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_a_corrupted_sent_file_is_refused_on_every_rank(split_disks):
+    bad = os.path.join(split_disks[1], "rank-00001.safetensors")
+    data = bytearray(Path(bad).read_bytes())
+    data[-1] ^= 0xFF
+    Path(bad).write_bytes(bytes(data))
+    out = run_distributed(w.fetch_between, 2, args=(split_disks, [["rank-00001.safetensors"], []]))
+    assert out[0]["error"] == out[1]["error"]
+    assert out[0]["error"] == ("rank 0: rank-00001.safetensors sent by rank 1 fails its SHA-256 check: its "
+                               "copy on that host is corrupted; restore it or load another tag")
+    assert out[0]["files"] == ["meta.json", "rank-00000.safetensors"]  # nothing kept
