@@ -4,8 +4,8 @@ Note [checkpoints on node-local disks]
 With `checkpoint.use_node_local_storage`, `<save_dir>` is the same path on every host but
 each host's own disk. A save then runs as many publications as there are disks: the
 ranks are grouped by what they see (every host's first rank, by hostname, creates the
-temporary directory and leaves a probe file in it; ranks that see the same probes share a
-disk), the lowest rank of each group does on its disk what rank 0 does alone on shared
+temporary directory and leaves a probe file in it; a rank that sees a probe shares a disk
+with the rank that left it), the lowest rank of each group does on its disk what rank 0 does alone on shared
 storage (Note [publishing a checkpoint] in writer.py), and every disk gets the same
 meta.json, which also records each rank's hostname. Where the directory is shared after
 all (one host, or a shared file system), there is one group and the save is the usual one.
@@ -81,11 +81,24 @@ def probes_seen(tmp: str) -> tuple[int, ...]:
 
 
 def storage_groups(seen: list[tuple[int, ...]]) -> list[list[int]]:
-    """Ranks that saw the same probes share a disk: the groups, each sorted, lowest first.
-    Pure function of what every rank saw (so every rank computes the same groups)."""
-    groups: dict[tuple[int, ...], list[int]] = {}
+    """Ranks on one disk: a rank that sees a probe shares the disk of the rank that left it,
+    so the groups are the connected parts of "sees" (a network file system that shows one
+    rank a probe late still puts every rank on it in one group). Each group sorted, groups
+    by lowest rank; a pure function of what every rank saw, so every rank computes the same."""
+    parent = list(range(len(seen)))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
     for rank, probes in enumerate(seen):
-        groups.setdefault(probes, []).append(rank)
+        for other in probes:
+            parent[root(rank)] = root(other)
+    groups: dict[int, list[int]] = {}
+    for rank in range(len(seen)):
+        groups.setdefault(root(rank), []).append(rank)
     return sorted(groups.values())
 
 

@@ -32,6 +32,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_storage_groups_follow_what_each_rank_sees():
     assert storage_groups([(0, 2), (0, 2), (0, 2), (0, 2)]) == [[0, 1, 2, 3]]  # shared
     assert storage_groups([(0,), (0,), (2,), (2,)]) == [[0, 1], [2, 3]]  # two disks
+    # one shared disk, where ranks 2 and 3 saw rank 0's probe late: still one disk
+    assert storage_groups([(0, 2), (0, 2), (2,), (2,)]) == [[0, 1, 2, 3]]
+    assert storage_groups([(0,), (0,), (), ()]) == [[0, 1], [2], [3]]  # 2, 3 see nothing
 
 
 def test_placement_names_hosts_and_leaders():
