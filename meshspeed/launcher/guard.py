@@ -105,7 +105,12 @@ class Guard:
         self.stopped.set()
 
     def _watch_stdin(self) -> None:
-        while sys.stdin.buffer.read1(4096) if hasattr(sys.stdin.buffer, "read1") else sys.stdin.buffer.read(1):
+        # os.read, not sys.stdin: a daemon thread blocked in a buffered read holds the
+        # buffer's lock, and the interpreter aborts at exit when it cannot take it
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
             pass
         self.stop("the connection to the launcher closed")
 

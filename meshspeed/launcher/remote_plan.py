@@ -66,11 +66,12 @@ def _quote(words: list[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def node_argv(job: RemoteJob, host: str, node_rank: int | str) -> list[str]:
-    """What one host runs under ssh/pdsh: its share through `meshspeed run` (torchrun)."""
+def node_argv(job: RemoteJob, host: str) -> list[str]:
+    """What one host runs under ssh/pdsh: its share through `meshspeed run` (torchrun). No
+    --node-rank: the c10d rendezvous numbers the hosts itself (torchrun ignores one)."""
     nnodes = job.nnodes or str(len(job.hosts))
     return [job.python, "-u", "-m", "meshspeed.cli", "run",
-            "--nproc-per-node", str(job.hosts[host]), "--nnodes", nnodes, "--node-rank", str(node_rank),
+            "--nproc-per-node", str(job.hosts[host]), "--nnodes", nnodes,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.master_addr}:{job.master_port}",
             "--rdzv-id", job.job_id, "--tee", "3", *job.run_options, *job.torchrun_options, *job.target]
 
@@ -82,7 +83,7 @@ def node_env(job: RemoteJob, host: str, label: str | None = None) -> dict[str, s
             "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": PREFIX_TEMPLATE.format(host=label or host)}
 
 
-def remote_command(job: RemoteJob, host: str, node_rank: int | str, *, label: str | None = None,
+def remote_command(job: RemoteJob, host: str, *, label: str | None = None,
                    watch_stdin: bool = True) -> str:
     """The shell line one host runs: its share, under the guard (meshspeed/launcher/guard.py)
     that stops every process of it when the connection to the launcher ends."""
@@ -90,7 +91,7 @@ def remote_command(job: RemoteJob, host: str, node_rank: int | str, *, label: st
     guard = [job.python, "-u", "-m", "meshspeed.launcher.guard", "--host", label or host]
     guard += [] if watch_stdin else ["--no-stdin"]
     return (f"cd {shlex.quote(job.cwd)} && exec env {_quote(env)} "
-            f"{_quote([*guard, '--', *node_argv(job, host, node_rank)])}")
+            f"{_quote([*guard, '--', *node_argv(job, host)])}")
 
 
 def ssh_options(job: RemoteJob) -> list[str]:
@@ -100,7 +101,7 @@ def ssh_options(job: RemoteJob) -> list[str]:
 def ssh_argv(job: RemoteJob, host: str) -> list[str]:
     """One host's ssh command (`-T`: no terminal; the guard watches ssh's stdin instead)."""
     return ["ssh", "-T", *ssh_options(job), host,
-            remote_command(job, host, list(job.hosts).index(host))]
+            remote_command(job, host)]
 
 
 def preflight_argv(job: RemoteJob, host: str) -> list[str]:
@@ -113,13 +114,13 @@ def preflight_argv(job: RemoteJob, host: str) -> list[str]:
 
 def pdsh_argv(job: RemoteJob) -> tuple[list[str], dict[str, str]]:
     """(argv, environment for pdsh): one command for every host, pdsh putting in the host's
-    name for %h and its index for %n. pdsh gives the remote commands no stdin, so the guard
+    name for %h. pdsh gives the remote commands no stdin, so the guard
     watches its parent only."""
     sizes = set(job.hosts.values())
     if len(sizes) != 1:
         raise ValueError("pdsh runs one command on every host, and the hosts have different "
                          f"slot counts {sorted(sizes)}; use --launcher ssh")
-    command = remote_command(job, next(iter(job.hosts)), "%n", label="%h", watch_stdin=False)
+    command = remote_command(job, next(iter(job.hosts)), label="%h", watch_stdin=False)
     pdsh_env = {"PDSH_RCMD_TYPE": "ssh"}
     if job.ssh_port:
         pdsh_env["PDSH_SSH_ARGS_APPEND"] = f"-p {job.ssh_port}"

@@ -39,9 +39,9 @@ def test_ssh_is_the_default_and_each_host_runs_its_share(hostfile, tmp_path):
     assert (j.launcher, j.hosts, j.master_addr, j.master_port) == ("ssh", {"node0": 2, "node1": 2}, "node0", 29600)
     assert j.exports == {"NCCL_DEBUG": "WARN", "PYTHONPATH": "/src"}  # PATH stays the host's own
     assert j.job_id.startswith("meshspeed-") and j.cwd == str(tmp_path)
-    assert remote_plan.node_argv(j, "node1", 1) == [
+    assert remote_plan.node_argv(j, "node1") == [
         sys.executable, "-u", "-m", "meshspeed.cli", "run", "--nproc-per-node", "2", "--nnodes", "2",
-        "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29600", "--rdzv-id", j.job_id,
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29600", "--rdzv-id", j.job_id,
         "--tee", "3", "train.py", "--lr", "1"]
     ssh = remote_plan.ssh_argv(j, "node1")
     assert ssh[:5] == ["ssh", "-T", "-o", "BatchMode=yes", "node1"]
@@ -52,7 +52,7 @@ def test_ssh_is_the_default_and_each_host_runs_its_share(hostfile, tmp_path):
                         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=[node1 r${rank}] "]
     guard = words[words.index(sys.executable):words.index("--")]
     assert guard == [sys.executable, "-u", "-m", "meshspeed.launcher.guard", "--host", "node1"]
-    assert words[words.index("--") + 1:] == remote_plan.node_argv(j, "node1", 1)
+    assert words[words.index("--") + 1:] == remote_plan.node_argv(j, "node1")
 
 
 def test_ssh_port_filters_and_user_options(hostfile):
@@ -61,7 +61,7 @@ def test_ssh_port_filters_and_user_options(hostfile):
     assert j.hosts == {"node0": 1, "node1": 2}  # ssh starts uneven hosts (torchrun's c10d allows it)
     assert j.host_env == {"node0": {"CUDA_VISIBLE_DEVICES": "1"}, "node1": {"CUDA_VISIBLE_DEVICES": "0,1"}}
     assert remote_plan.ssh_argv(j, "node0")[2:6] == ["-o", "BatchMode=yes", "-p", "2222"]
-    argv = remote_plan.node_argv(j, "node0", 0)
+    argv = remote_plan.node_argv(j, "node0")
     assert argv[argv.index("--tee") + 2:] == ["--deepspeed-compat", "--max-restarts", "2", "train.py"]
     assert remote_plan.node_env(j, "node0")["CUDA_VISIBLE_DEVICES"] == "1"
     j = job(["--hostfile", hostfile, "--exclude", "node0", "--force_multi", "--rdzv-id", "run7", "t.py"])
@@ -94,7 +94,7 @@ def test_pdsh(hostfile):
     words = shlex.split(argv[-1])
     assert "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=[%h r${rank}] " in words
     assert words[words.index("--host") + 1:words.index("--host") + 3] == ["%h", "--no-stdin"]
-    assert words[words.index("--node-rank") + 1] == "%n"
+    assert "--node-rank" not in words
 
 
 def test_openmpi_and_slurm_commands(hostfile, tmp_path):
@@ -142,6 +142,6 @@ def test_plans_that_cannot_work_are_refused(hostfile, argv, message):
 def test_elastic_with_a_hostfile(hostfile):
     j = job(["--hostfile", hostfile, "--nnodes", "1:2", "t.py"])
     assert j.nnodes == "1:2" and j.torchrun_options == []
-    assert remote_plan.node_argv(j, "node0", 0)[7:9] == ["--nnodes", "1:2"]
+    assert remote_plan.node_argv(j, "node0")[7:9] == ["--nnodes", "1:2"]
     assert job(["--hostfile", hostfile, "--min_elastic_nodes", "1", "t.py"]).nnodes == "1:2"
     assert job(["--hostfile", hostfile, "--elastic_training", "t.py"]).nnodes == "1:2"

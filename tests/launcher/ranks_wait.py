@@ -1,0 +1,23 @@
+"""A job that only waits, for the launch tests: each rank prints `up` and sleeps.
+
+    ranks_wait.py [--fail-rank R]
+
+Rank R (if given) exits with status 3 instead, so that its host fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--fail-rank", type=int, default=-1)
+args = parser.parse_args()
+rank = int(os.environ["RANK"])
+print(f"up (pid {os.getpid()})", flush=True)
+if rank == args.fail_rank:
+    time.sleep(2)
+    sys.exit(3)
+time.sleep(300)

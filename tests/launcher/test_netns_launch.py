@@ -1,0 +1,131 @@
+"""`meshspeed run --hostfile` on real (namespaced) hosts through the ssh launcher
+(meshspeed/testing/netns.py, an sshd in every host): training equals one host, output is
+prefixed by host and rank, Ctrl-C or a failing host stops every host and leaves no
+process behind, and a master name one host cannot use fails in one sentence."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshspeed.testing import run_distributed
+from meshspeed.testing.netns import Cluster, sshd_available
+from meshspeed.testing.parity import engine_run
+from tests.launcher.tiny_train import SETUP
+
+ok, reason = sshd_available()
+pytestmark = pytest.mark.skipif(not ok, reason=reason)
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+
+
+def _env() -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/root", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def _run_argv(cluster: Cluster, *script: str) -> list[str]:
+    return [sys.executable, "-m", "meshspeed.cli", "run", "--hostfile", str(cluster.hostfile(slots=2)),
+            "--master_addr", "node0", *script]
+
+
+def _left_behind(cluster: Cluster, timeout: float = 30) -> dict[str, list[str]]:
+    """Every host's processes but its sshd listener, once none is left (or at `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h.name: [p for p in h.processes() if "[listener]" not in p] for h in cluster.hosts}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {k: v for k, v in left.items() if v}
+        time.sleep(0.2)
+
+
+def test_two_hosts_train_as_one_host_and_print_by_host_and_rank(tmp_path):
+    with Cluster(tmp_path, hosts=2, sshd=True) as cluster:
+        out = cluster.shared_path / "result.pt"
+        done = cluster.hosts[0].run(_run_argv(cluster, str(HERE / "tiny_train.py"), str(out)),
+                                    env=_env(), cwd=tmp_path, timeout=150)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = done.stdout.splitlines()
+        for prefix in ("[node0 r", "[node1 r"):  # 2 ranks x 3 steps per host
+            assert sum(line.startswith(prefix) and " loss " in line for line in lines) == 6, done.stdout
+        assert _left_behind(cluster) == {}
+        losses, state = torch.load(out)
+    ref_losses, ref_state = run_distributed(engine_run, 4, args=(SETUP,), timeout=120)[0]
+    assert losses == ref_losses
+    assert state.keys() == ref_state.keys()
+    for name, tensor in ref_state.items():
+        assert torch.equal(state[name], tensor), name
+
+
+def _wait_for(proc: subprocess.Popen, seen: list[str], wanted, timeout: float = 60) -> None:
+    """Read `proc`'s stdout lines into `seen` until wanted(seen) (bounded by `timeout`)."""
+    deadline = time.monotonic() + timeout
+    os.set_blocking(proc.stdout.fileno(), False)
+    buffer = b""
+    while not wanted(seen):
+        assert time.monotonic() < deadline and proc.poll() is None, "\n".join(seen)
+        chunk = proc.stdout.read() or b""
+        buffer += chunk
+        *whole, buffer = buffer.split(b"\n")
+        seen += [w.decode() for w in whole]
+        time.sleep(0.1)
+
+
+def _every_rank_up(seen: list[str]) -> bool:
+    return all(any(line.startswith(f"[node{r // 2} r{r}] up") for line in seen) for r in range(4))
+
+
+def test_ctrl_c_stops_every_host_and_leaves_no_process(tmp_path):
+    with Cluster(tmp_path, hosts=2, sshd=True) as cluster:
+        job = cluster.hosts[0].popen(_run_argv(cluster, str(HERE / "ranks_wait.py")), env=_env(), cwd=tmp_path,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            seen: list[str] = []
+            _wait_for(job, seen, lambda s: sum(" up (pid" in line for line in s) == 4)
+            # Ctrl-C reaches `meshspeed run` (the ssh clients run in sessions of their own);
+            # job.pid is nsenter, which would die of it itself: signal its child
+            child = int(Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()[0])
+            os.kill(child, signal.SIGINT)
+            _, err = job.communicate(timeout=60)
+        finally:
+            job.kill()
+        assert job.returncode == 128 + signal.SIGINT, err.decode()[-2000:]
+        assert "SIGINT: stopping the job on every host" in err.decode()
+        assert _left_behind(cluster) == {}
+
+
+def test_a_failing_host_stops_the_others_and_is_named(tmp_path):
+    with Cluster(tmp_path, hosts=2, sshd=True) as cluster:
+        argv = _run_argv(cluster, str(HERE / "ranks_wait.py"), "--fail-rank", "3")
+        done = cluster.hosts[0].run(argv, env=_env(), cwd=tmp_path, timeout=120)
+        assert done.returncode != 0
+        assert "meshspeed run: the job failed: node1 failed with exit status" in done.stderr, done.stderr[-3000:]
+        assert _left_behind(cluster) == {}
+
+
+def test_a_master_one_host_cannot_use_fails_in_one_sentence(tmp_path):
+    with Cluster(tmp_path, hosts=2, sshd=True) as cluster:
+        h0, h1 = cluster.hosts
+        text = h1.etc_hosts.read_text()
+        h1.etc_hosts.write_text("".join(line + "\n" for line in text.splitlines() if not line.endswith(" node0")))
+        done = h0.run(_run_argv(cluster, "never_started.py"), env=_env(), cwd=tmp_path, timeout=60)
+        assert done.returncode == 2
+        # the resolver's reason varies ("Name or service not known", "Temporary failure ...")
+        assert re.fullmatch(r"meshspeed run: on node1, the master address 'node0' does not resolve \([^)]+\); "
+                            rf"use an address every host resolves, e\.g\. --master_addr {re.escape(h0.addr)}",
+                            done.stderr.strip()), done.stderr
+        h1.etc_hosts.write_text(text.replace(f"{h0.addr} node0", "127.0.1.1 node0"))
+        done = h0.run(_run_argv(cluster, "never_started.py"), env=_env(), cwd=tmp_path, timeout=60)
+        assert done.returncode == 2
+        assert done.stderr.strip() == (
+            "meshspeed run: on node1, the master address 'node0' resolves to the loopback address 127.0.1.1, "
+            f"which other hosts cannot reach; use an address every host resolves, e.g. --master_addr {h0.addr}")
