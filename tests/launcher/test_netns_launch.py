@@ -80,11 +80,10 @@ def _wait_for(proc: subprocess.Popen, seen: list[str], wanted, timeout: float = 
         time.sleep(0.1)
 
 
-def _every_rank_up(seen: list[str]) -> bool:
-    return all(any(line.startswith(f"[node{r // 2} r{r}] up") for line in seen) for r in range(4))
-
-
-def test_ctrl_c_stops_every_host_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_ctrl_c_or_a_killed_launcher_stops_every_host_and_leaves_no_process(tmp_path, sig):
+    """SIGINT: `meshspeed run` stops the hosts itself. SIGKILL: it cannot; its ssh clients
+    see their stdin close, and each host's guard stops that host."""
     with Cluster(tmp_path, hosts=2, sshd=True) as cluster:
         job = cluster.hosts[0].popen(_run_argv(cluster, str(HERE / "ranks_wait.py")), env=_env(), cwd=tmp_path,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -94,12 +93,13 @@ def test_ctrl_c_stops_every_host_and_leaves_no_process(tmp_path):
             # Ctrl-C reaches `meshspeed run` (the ssh clients run in sessions of their own);
             # job.pid is nsenter, which would die of it itself: signal its child
             child = int(Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()[0])
-            os.kill(child, signal.SIGINT)
+            os.kill(child, sig)
             _, err = job.communicate(timeout=60)
         finally:
             job.kill()
-        assert job.returncode == 128 + signal.SIGINT, err.decode()[-2000:]
-        assert "SIGINT: stopping the job on every host" in err.decode()
+        if sig == signal.SIGINT:
+            assert job.returncode == 128 + signal.SIGINT, err.decode()[-2000:]
+            assert "SIGINT: stopping the job on every host" in err.decode()
         assert _left_behind(cluster) == {}
 
 
@@ -129,3 +129,14 @@ def test_a_master_one_host_cannot_use_fails_in_one_sentence(tmp_path):
         assert done.stderr.strip() == (
             "meshspeed run: on node1, the master address 'node0' resolves to the loopback address 127.0.1.1, "
             f"which other hosts cannot reach; use an address every host resolves, e.g. --master_addr {h0.addr}")
+
+
+def test_pdsh_launcher(tmp_path):
+    with Cluster(tmp_path, hosts=2, sshd=True) as cluster:
+        argv = _run_argv(cluster, "--launcher", "pdsh", str(HERE / "ranks_wait.py"), "--sleep", "0")
+        done = cluster.hosts[0].run(argv, env=_env(), cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        for host in ("node0", "node1"):  # pdsh puts the host first; %h gave it to the rank prefix
+            ups = [line for line in done.stdout.splitlines() if line.startswith(f"{host}: [{host} r")]
+            assert len(ups) == 2 and all(" up (pid" in line for line in ups), done.stdout
+        assert _left_behind(cluster) == {}
