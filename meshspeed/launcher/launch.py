@@ -16,6 +16,14 @@ The `deepspeed` launcher's options are understood too (ds_launcher.py maps them)
 In that mode `import deepspeed` is meshspeed in the launched processes (Note [the deepspeed
 alias] in meshspeed/compat/alias.py) and each process gets DeepSpeed's ``--local_rank=N``
 argument (meshspeed/compat/child.py; ``--no_local_rank`` leaves it out).
+
+Several hosts start from one command (docs/multinode_launch.md)::
+
+    meshspeed run --hostfile hostfile [--launcher ssh|pdsh|openmpi|slurm] train.py
+
+multinode.py makes the job, remote_plan.py its commands, remote_run.py runs them; inside a
+Slurm allocation the hosts are its nodes (slurm_hosts.py). ``--nnodes MIN:MAX`` with
+--master_addr is made into the c10d rendezvous (elastic.py).
 """
 
 from __future__ import annotations
@@ -95,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.allow_abbrev = False
     parser.epilog = ("Every other torchrun option (--nnodes, --rdzv-*, --max-restarts, ...) is "
                      "passed through; see `python -m torch.distributed.run --help`. The deepspeed "
-                     "launcher's --num_gpus, --num_nodes, --include, --exclude, --hostfile, "
-                     "--master_addr, --master_port, --node_rank are understood.")
+                     "launcher's options are understood; with a hostfile of several hosts every "
+                     "host is started (docs/multinode_launch.md).")
     parser.add_argument("--nproc-per-node", "--nproc_per_node", default=None,
                         help="processes per node: an integer, or torchrun's gpu/cpu/auto "
                              "(default: number of CUDA devices, else 1)")

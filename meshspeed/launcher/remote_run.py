@@ -17,6 +17,7 @@ host). openmpi / slurm: the one mpirun / srun command is printed, then this proc
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def check_hosts(job: RemoteJob) -> str | None:
     """Every host's preflight, in parallel: None when all pass, else one sentence."""
     def ask(host):
         try:
-            done = subprocess.run(remote_plan.preflight_argv(job, host), stdin=subprocess.DEVNULL,
+            done = subprocess.run(remote_plan.preflight_argv(job, host), stdin=subprocess.DEVNULL, check=False,
                                   capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return host, None, f"did not answer over ssh within {PREFLIGHT_TIMEOUT_S} s"
@@ -167,7 +168,7 @@ def run_pdsh(job: RemoteJob) -> int:
 
 def exec_one(argv: list[str]) -> int:
     """Print the launcher command, then become it (mpirun / srun own the job from here)."""
-    _say(subprocess.list2cmdline(argv))
+    _say(shlex.join(argv))
     sys.stdout.flush()
     sys.stderr.flush()
     try:

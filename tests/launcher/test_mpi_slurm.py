@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -84,6 +85,13 @@ def fakes(tmp_path, monkeypatch):
     return env
 
 
+def _free_port() -> str:
+    """A port nobody listens on now (other tests and jobs share this machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def _ranks(tmp_path, world):
     return sorted(json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world))
 
@@ -94,13 +102,14 @@ def _meshspeed(tmp_path, env, *argv):
 
 
 def test_openmpi_launcher_runs_one_mpirun(tmp_path, fakes):
+    port = _free_port()
     (tmp_path / "hostfile").write_text("localhost slots=2\n")
     done = _meshspeed(tmp_path, fakes, "--hostfile", "hostfile", "--force_multi", "--launcher", "openmpi",
-                      "--master_port", "29731", "train.py")
+                      "--master_port", port, "train.py")
     assert done.returncode == 0, done.stderr
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv[1:6] == ["-np", "2", "--host", "localhost:2", "-x"]
-    assert "MY_FLAG=from-env-file" in argv and "MESHSPEED_TEST_MARK=1" in argv and "MASTER_PORT=29731" in argv
+    assert "MY_FLAG=from-env-file" in argv and "MESHSPEED_TEST_MARK=1" in argv and f"MASTER_PORT={port}" in argv
     assert argv[-3:] == [sys.executable, "-u", "train.py"]
     assert done.stderr.startswith("meshspeed run: mpirun -np 2 --host localhost:2")
     assert _ranks(tmp_path, 2) == [[0, 2, 1.0, "openmpi", "from-env-file"], [1, 2, 1.0, "openmpi", "from-env-file"]]
@@ -108,7 +117,7 @@ def test_openmpi_launcher_runs_one_mpirun(tmp_path, fakes):
 
 def test_inside_a_slurm_allocation_meshspeed_run_uses_srun(tmp_path, fakes):
     env = {**fakes, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS_PER_NODE": "2"}
-    done = _meshspeed(tmp_path, env, "--force_multi", "--master_port", "29732", "train.py")
+    done = _meshspeed(tmp_path, env, "--force_multi", "--master_port", _free_port(), "train.py")
     assert done.returncode == 0, done.stderr
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv[1:7] == ["-N", "1", "--ntasks-per-node", "2", "--nodelist", "localhost"]
@@ -117,7 +126,7 @@ def test_inside_a_slurm_allocation_meshspeed_run_uses_srun(tmp_path, fakes):
 
 def test_plain_srun_python_train_py(tmp_path, fakes):
     """No meshspeed run at all: srun starts the ranks, init_distributed reads SLURM_*."""
-    env = {**fakes, "MASTER_PORT": "29733"}
+    env = {**fakes, "MASTER_PORT": _free_port()}
     done = subprocess.run(["srun", "-N", "1", "--ntasks-per-node", "2", "--nodelist", "localhost", "--chdir",
                            str(tmp_path), sys.executable, "train.py"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120, check=False)

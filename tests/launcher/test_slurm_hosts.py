@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from meshspeed.launcher.slurm_hosts import NodeListError, allocation_hosts, expand_nodelist, in_allocation
+from meshspeed.launcher.slurm_hosts import (
+    NodeListError,
+    allocation_hosts,
+    expand_nodelist,
+    in_allocation,
+)
 
 
 @pytest.mark.parametrize(("nodelist", "hosts"), [
