@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,17 +67,23 @@ def test_two_hosts_train_as_one_host_and_print_by_host_and_rank(tmp_path):
         assert torch.equal(state[name], tensor), name
 
 
-def _wait_for(proc: subprocess.Popen, seen: list[str], wanted, timeout: float = 60) -> None:
-    """Read `proc`'s stdout lines into `seen` until wanted(seen) (bounded by `timeout`)."""
+def _read_lines(proc: subprocess.Popen) -> list[str]:
+    """A list that fills with `proc`'s stdout lines as they come (a reader thread)."""
+    seen: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            seen.append(line.decode(errors="replace").rstrip("\n"))
+
+    threading.Thread(target=read, daemon=True).start()
+    return seen
+
+
+def _wait_for(proc: subprocess.Popen, seen: list[str], wanted, timeout: float = 120) -> None:
+    """Until wanted(seen), bounded by `timeout` and by `proc` ending."""
     deadline = time.monotonic() + timeout
-    os.set_blocking(proc.stdout.fileno(), False)
-    buffer = b""
     while not wanted(seen):
         assert time.monotonic() < deadline and proc.poll() is None, "\n".join(seen)
-        chunk = proc.stdout.read() or b""
-        buffer += chunk
-        *whole, buffer = buffer.split(b"\n")
-        seen += [w.decode() for w in whole]
         time.sleep(0.1)
 
 
@@ -85,21 +92,24 @@ def test_ctrl_c_or_a_killed_launcher_stops_every_host_and_leaves_no_process(tmp_
     """SIGINT: `meshspeed run` stops the hosts itself. SIGKILL: it cannot; its ssh clients
     see their stdin close, and each host's guard stops that host."""
     with Cluster(tmp_path, hosts=2, sshd=True) as cluster:
-        job = cluster.hosts[0].popen(_run_argv(cluster, str(HERE / "ranks_wait.py")), env=_env(), cwd=tmp_path,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        err_path = tmp_path / "stderr.txt"
+        with open(err_path, "wb") as err_file:  # a file: nobody has to drain it while we wait
+            job = cluster.hosts[0].popen(_run_argv(cluster, str(HERE / "ranks_wait.py")), env=_env(),
+                                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=err_file)
         try:
-            seen: list[str] = []
+            seen = _read_lines(job)
             _wait_for(job, seen, lambda s: sum(" up (pid" in line for line in s) == 4)
             # Ctrl-C reaches `meshspeed run` (the ssh clients run in sessions of their own);
             # job.pid is nsenter, which would die of it itself: signal its child
             child = int(Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()[0])
             os.kill(child, sig)
-            _, err = job.communicate(timeout=60)
+            job.wait(timeout=60)
+            err = err_path.read_text(errors="replace")
         finally:
             job.kill()
         if sig == signal.SIGINT:
-            assert job.returncode == 128 + signal.SIGINT, err.decode()[-2000:]
-            assert "SIGINT: stopping the job on every host" in err.decode()
+            assert job.returncode == 128 + signal.SIGINT, err[-2000:]
+            assert "SIGINT: stopping the job on every host" in err
         assert _left_behind(cluster) == {}
 
 
