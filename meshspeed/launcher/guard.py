@@ -5,8 +5,8 @@
 runs COMMAND (that host's `meshspeed run`) and stops it, with every process it started,
 when any of these happens:
 - its stdin reaches end of file: ssh forwards the launcher's end of the pipe, which closes
-  when `meshspeed run` stops, is interrupted or is killed (not with --no-stdin: pdsh gives
-  no stdin);
+  when `meshspeed run` stops, is interrupted or is killed, or when pdsh kills its ssh
+  (--no-stdin turns this off, for a launcher that gives the command no stdin);
 - its parent changes: sshd's session process ended (the connection dropped);
 - it gets SIGTERM, SIGINT or SIGHUP.
 Stopping is SIGTERM to COMMAND's process group (torchrun's agent then stops its workers),
@@ -93,6 +93,15 @@ def _reap() -> None:
             return
 
 
+def _say(message: str) -> None:
+    """To stderr, if anyone still reads it: when the connection is gone, writing to it
+    fails (EPIPE), and the guard must go on to stop its processes all the same."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 class Guard:
     def __init__(self, host: str, command: list[str], watch_stdin: bool):
         self.host, self.command, self.watch_stdin = host, command, watch_stdin
@@ -126,8 +135,7 @@ class Guard:
             if os.getppid() != parent:
                 self.stop("the launcher's connection ended")
         if child.poll() is None:
-            print(f"meshspeed guard on {self.host}: {self.stop_reason}; stopping this host's processes",
-                  file=sys.stderr, flush=True)
+            _say(f"meshspeed guard on {self.host}: {self.stop_reason}; stopping this host's processes")
             try:
                 os.killpg(child.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -146,7 +154,7 @@ class Guard:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshspeed.launcher.guard")
     parser.add_argument("--host", default=os.uname().nodename, help="this host's name, for messages")
-    parser.add_argument("--no-stdin", action="store_true", help="do not stop at end of stdin (pdsh)")
+    parser.add_argument("--no-stdin", action="store_true", help="do not stop at end of stdin")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

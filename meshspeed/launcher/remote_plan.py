@@ -114,13 +114,13 @@ def preflight_argv(job: RemoteJob, host: str) -> list[str]:
 
 def pdsh_argv(job: RemoteJob) -> tuple[list[str], dict[str, str]]:
     """(argv, environment for pdsh): one command for every host, pdsh putting in the host's
-    name for %h. pdsh gives the remote commands no stdin, so the guard
-    watches its parent only."""
+    name for %h. pdsh keeps each ssh's stdin open and silent, so the guard's stdin closes
+    when pdsh kills that ssh (its abort), as under the ssh launcher."""
     sizes = set(job.hosts.values())
     if len(sizes) != 1:
         raise ValueError("pdsh runs one command on every host, and the hosts have different "
                          f"slot counts {sorted(sizes)}; use --launcher ssh")
-    command = remote_command(job, next(iter(job.hosts)), label="%h", watch_stdin=False)
+    command = remote_command(job, next(iter(job.hosts)), label="%h")
     pdsh_env = {"PDSH_RCMD_TYPE": "ssh"}
     if job.ssh_port:
         pdsh_env["PDSH_SSH_ARGS_APPEND"] = f"-p {job.ssh_port}"

@@ -16,12 +16,14 @@ host). openmpi / slurm: the one mpirun / srun command is printed, then this proc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from meshspeed.launcher import preflight, remote_plan
@@ -161,9 +163,28 @@ class SshRun:
 
 
 def run_pdsh(job: RemoteJob) -> int:
+    """One pdsh for every host. SIGINT/SIGTERM here: pdsh is given two SIGINTs, its own
+    "abort" (it then kills its ssh clients, and each host's guard sees its sshd go)."""
     argv, env = remote_plan.pdsh_argv(job)
     _say(" ".join(argv[:-1]) + " '...'")
-    return subprocess.call(argv, env={**os.environ, **env})
+    received: list[int] = []
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def forward(signum, _frame):
+        received.append(signum)
+        _say(f"{signal.Signals(signum).name}: stopping the job on every host")
+        for _ in range(2):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 128 + received[0] if received else status
 
 
 def exec_one(argv: list[str]) -> int:

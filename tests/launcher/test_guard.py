@@ -80,3 +80,16 @@ def test_descendants_walks_the_tree():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_dead_connection_does_not_stop_the_guard_from_stopping(tmp_path):
+    """ssh killed: the guard's stderr is a broken pipe, and its message cannot be written."""
+    guard, worker = _guard(tmp_path)
+    try:
+        guard.stderr.close()
+        guard.stdin.close()
+        guard.wait(timeout=60)
+    finally:
+        guard.kill()
+    assert guard.returncode == 128 + 15
+    assert _gone(worker)

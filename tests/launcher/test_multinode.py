@@ -93,7 +93,7 @@ def test_pdsh(hostfile):
     assert env == {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-p 2200"}
     words = shlex.split(argv[-1])
     assert "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=[%h r${rank}] " in words
-    assert words[words.index("--host") + 1:words.index("--host") + 3] == ["%h", "--no-stdin"]
+    assert words[words.index("--host") + 1:words.index("--host") + 3] == ["%h", "--"]
     assert "--node-rank" not in words
 
 

@@ -87,15 +87,16 @@ def _wait_for(proc: subprocess.Popen, seen: list[str], wanted, timeout: float = 
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_ctrl_c_or_a_killed_launcher_stops_every_host_and_leaves_no_process(tmp_path, sig):
-    """SIGINT: `meshspeed run` stops the hosts itself. SIGKILL: it cannot; its ssh clients
-    see their stdin close, and each host's guard stops that host."""
+@pytest.mark.parametrize(("sig", "launcher"), [(signal.SIGINT, "ssh"), (signal.SIGKILL, "ssh"),
+                                               (signal.SIGINT, "pdsh")])
+def test_ctrl_c_or_a_killed_launcher_stops_every_host_and_leaves_no_process(tmp_path, sig, launcher):
+    """SIGINT: `meshspeed run` stops the hosts itself (pdsh: through pdsh's abort). SIGKILL:
+    it cannot; its ssh clients see their stdin close, and each host's guard stops that host."""
     with Cluster(tmp_path, hosts=2, sshd=True) as cluster:
         err_path = tmp_path / "stderr.txt"
+        argv = _run_argv(cluster, "--launcher", launcher, str(HERE / "ranks_wait.py"))
         with open(err_path, "wb") as err_file:  # a file: nobody has to drain it while we wait
-            job = cluster.hosts[0].popen(_run_argv(cluster, str(HERE / "ranks_wait.py")), env=_env(),
-                                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=err_file)
+            job = cluster.hosts[0].popen(argv, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=err_file)
         try:
             seen = _read_lines(job)
             _wait_for(job, seen, lambda s: sum(" up (pid" in line for line in s) == 4)
