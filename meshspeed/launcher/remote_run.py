@@ -45,7 +45,11 @@ def check_hosts(job: RemoteJob) -> str | None:
                                   capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return host, None, f"did not answer over ssh within {PREFLIGHT_TIMEOUT_S} s"
-        words = done.stdout.strip().splitlines()[-1:] or [""]
+        lines = done.stdout.strip().splitlines()
+        for line in lines:
+            if line.startswith("warning "):
+                _say(f"warning: on {host}, {line.removeprefix('warning ')}")
+        words = lines[-1:] or [""]
         kind, _, rest = words[0].partition(" ")
         if kind == "ok":
             return host, rest, None
