@@ -140,6 +140,12 @@ def test_a_master_one_host_cannot_use_fails_in_one_sentence(tmp_path):
         assert done.stderr.strip() == (
             "meshspeed run: on node1, the master address 'node0' resolves to the loopback address 127.0.1.1, "
             f"which other hosts cannot reach; use an address every host resolves, e.g. --master_addr {h0.addr}")
+        h1.etc_hosts.write_text(text)
+        cluster.cut(h1)  # unreachable: the check says so (the hosts' ssh gives up after 5 s)
+        done = h0.run(_run_argv(cluster, "never_started.py"), env=_env(), cwd=tmp_path, timeout=90)
+        assert done.returncode == 2
+        assert done.stderr.startswith("meshspeed run: node1 cannot be reached to check it (ssh: connect to host "
+                                      "node1 port 22"), done.stderr
 
 
 def test_pdsh_launcher(tmp_path):
