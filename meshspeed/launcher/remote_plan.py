@@ -22,9 +22,9 @@ PREFIX_TEMPLATE = "[{host} r${{rank}}] "  # torchrun fills ${rank} (the global r
 
 # Note [c10d rendezvous across hosts]
 # Every host's torchrun agent meets at `--rdzv-endpoint master:port` (the agent on the
-# master hosts the store) under one `--rdzv-id`, and the rendezvous round, which every
-# host agrees on, numbers the attempts (restarts key on it, not on the per-node restart
-# counter). torch 2.13's agents by default share the rendezvous TCP store with the
+# master hosts the store) under one `--rdzv-id`; the rendezvous round, which every host
+# agrees on, numbers the attempts (so restarts can key on it rather than on the per-node
+# restart counter). torch 2.13's agents by default share the rendezvous TCP store with the
 # workers, and cache where that store is (`_bootstrap_store_info` in
 # torch/distributed/elastic/rendezvous/dynamic_rendezvous.py) from the first round they
 # joined: a later round only publishes MASTER_ADDR/MASTER_PORT under its own key prefix
@@ -34,7 +34,8 @@ PREFIX_TEMPLATE = "[{host} r${{rank}}] "  # torchrun fills ${rank} (the global r
 # `store.get("MASTER_ADDR")` in the new round until DistStoreError ends it; or the
 # newcomer is rank 0, serves a new store, and the old agents send their workers to the old
 # one. Either way the job deadlocks. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes every
-# round publish a fresh address and port from its rank 0, so we set it for every agent.
+# round publish a fresh address and port from its rank 0, so meshspeed sets it for every
+# agent it starts on several hosts, and for `--nnodes MIN:MAX` (elastic.py).
 RDZV_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
