@@ -15,6 +15,7 @@ _COMMANDS = {
     "plan": ("meshspeed.planner.plan_cli", "rank parallel layouts by predicted step time and memory"),
     "autotune": ("meshspeed.autotune.cli", "measure the best planned layouts on this machine, keep the fastest"),
     "convert": ("meshspeed.checkpoint.cli", "consolidate a sharded checkpoint into one file"),
+    "gather-checkpoint": ("meshspeed.checkpoint.gather", "copy a checkpoint saved on node-local disks from every host into one directory"),
     "aio-bench": ("meshspeed.offload.aio_bench", "measure the NVMe swap engine's bandwidth"),
     "pipeline-plot": ("meshspeed.tools.pipeline_plot", "draw a pipeline schedule as executed (Gantt chart PNG)"),
     "compat": ("meshspeed.compat.install", "make `import deepspeed` meshspeed in this environment (install, uninstall, status)"),

@@ -19,10 +19,18 @@ import torch
 from meshspeed import comm
 from meshspeed.checkpoint import pending
 from meshspeed.checkpoint.agree import everywhere, rank0_path, same_everywhere
-from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
 from meshspeed.checkpoint.deepspeed_format.discover import find_tag
+from meshspeed.checkpoint.deepspeed_format.engine_load import load_deepspeed
 from meshspeed.checkpoint.deepspeed_format.universal import check_universal, universal_tag
 from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.fetch import (
+    fetch_missing,
+    files_needed,
+    is_node_local,
+    open_on_every_host,
+    verify_local,
+)
+from meshspeed.checkpoint.hosts import Placement, gather_placement
 from meshspeed.checkpoint.jsonable import decode_client_state, restore_rng
 from meshspeed.checkpoint.metadata import dtype_from_name, read_meta
 from meshspeed.checkpoint.paths import CLIENT_TENSORS, META, resolve
@@ -38,9 +46,14 @@ log = logging.getLogger("meshspeed")
 
 def _open(load_dir, tag) -> tuple[str, dict]:
     path = resolve(load_dir, tag)
-    meta = read_meta(path)
-    verify_files(path, meta, comm.get_rank(), comm.get_world_size())
-    return path, meta
+    return path, read_meta(path)
+
+
+def _verify(path: str, meta: dict, placement: Placement | None) -> None:
+    if placement is None:
+        verify_files(path, meta, comm.get_rank(), comm.get_world_size())
+    else:  # Note [checkpoints on node-local disks] (hosts.py)
+        verify_local(path, meta, placement, comm.get_rank())
 
 
 def match_model(path: str, meta: dict, slices, strict: bool, model_names: set[str] | None = None) -> list:
@@ -143,7 +156,7 @@ def _load_optimizer(engine, store: SavedTensors, slices, plans: dict[str, ReadPl
         state: dict[str, Any] = {k: _scalar(v, s.key.device)
                                  for k, v in entry["optimizer_scalars"].items()}
         for k in keys:
-            t = torch.empty(s.key.shape, dtype=store.saved_dtype(s.name, f"optim/{k}"),
+            t = torch.empty(s.key.shape, dtype=store.saved_dtype(s.name, f"optim/{k}", plans[s.name], s.key.dtype),
                             device=s.key.device)
             store.fill_planned(plans[s.name], f"optim/{k}", t)
             state[k] = t
@@ -258,11 +271,14 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
                               load_module_only=load_module_only)
     if tag is None and engine.config.checkpoint.auto_resume and not os.path.isfile(
             os.path.join(os.fspath(load_dir), META)):
-        tag = resume_tag(load_dir)  # Note [what auto_resume loads]
+        # Note [what auto_resume loads]
+        tag = resume_tag(load_dir, engine.config.checkpoint.use_node_local_storage)
         if tag is None:
             return None, None  # a first run: nothing to resume (DeepSpeed's return)
-    path, meta = everywhere(_open, load_dir, tag)
+    path, meta = open_on_every_host(_open, load_dir, tag)
     same_everywhere("checkpoint to load", os.path.abspath(path))
+    placement = gather_placement() if any(comm.all_gather_object(is_node_local(meta))) else None
+    everywhere(_verify, path, meta, placement)
     slices = everywhere(ordered_slices, engine)
     names = None
     # Note [a checkpoint of pipeline stages]; each ep rank holds other experts (named by
@@ -272,6 +288,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     slices = everywhere(match_model, path, meta, slices, load_module_strict, names)
     store = SavedTensors(path, meta)
     plans = everywhere(plan_reads, store, slices)
+    if placement is not None:  # Note [fetching a node-local checkpoint's files] (fetch.py)
+        fetch_missing(path, meta, everywhere(files_needed, meta, plans, comm.get_rank()), placement)
     everywhere(_load_weights, engine, store, slices, plans)
     engine.strategy.sync_params_from_masters()
     if not load_module_only:

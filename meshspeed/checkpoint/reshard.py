@@ -22,6 +22,7 @@ import torch
 
 from meshspeed.checkpoint import tp_ranges
 from meshspeed.checkpoint.errors import CheckpointError
+from meshspeed.checkpoint.hosts import gather_hint
 from meshspeed.checkpoint.tensorfile import TensorFile, sha256_file
 from meshspeed.checkpoint.tp_ranges import Copy
 from meshspeed.topology.shards import TPShard
@@ -131,9 +132,22 @@ class SavedTensors:
             raise CheckpointError(f"{self.path}: elements [{plan.start}, {plan.end}) of "
                                   f"{plan.param!r} are not all in the checkpoint; it is incomplete")
 
-    def saved_dtype(self, param: str, kind: str) -> torch.dtype:
-        r = self.meta["params"][param]["ranges"][0]
-        return self.file(r["file"]).entry(f"{kind}/{param}").dtype
+    def saved_dtype(self, param: str, kind: str, plan: ReadPlan | None = None,
+                    default: torch.dtype | None = None) -> torch.dtype:
+        """The dtype `kind` of `param` was saved in, read from a file this rank reads anyway
+        (the plan's) or one in the directory. On node-local disks a rank that holds none of
+        `param` may find no such file on its host: then the dtype of `kind` for another
+        parameter in a file it has, else `default` (its range is empty: nothing is read)."""
+        ranges = (plan.ranges if plan is not None else []) + self.meta["params"][param]["ranges"]
+        here = [r for r in ranges if os.path.isfile(os.path.join(self.path, r["file"]))]
+        if here or default is None:
+            return self.file((here or ranges)[0]["file"]).entry(f"{kind}/{param}").dtype
+        for other, entry in self.meta["params"].items():
+            for r in entry["ranges"]:
+                if os.path.isfile(os.path.join(self.path, r["file"])) and \
+                        f"{kind}/{other}" in self.file(r["file"]):
+                    return self.file(r["file"]).entry(f"{kind}/{other}").dtype
+        return default
 
     def read(self, file: str, key: str) -> torch.Tensor:
         return self.file(file).read(key)
@@ -170,5 +184,9 @@ def verify_files(path: str, meta: dict[str, Any], rank: int = 0, world: int = 1)
         if i % world == rank:
             if os.path.basename(name) != name:
                 raise CheckpointError(f"{path}: file name {name!r} in meta.json leaves the directory")
-            verify_file(os.path.join(path, name), meta["files"][name])
+            where = os.path.join(path, name)
+            if not os.path.isfile(where) and (meta.get("storage") or {}).get("node_local"):
+                raise CheckpointError(f"{where} is missing: this is one host's part of a checkpoint "
+                                      f"saved on node-local disks; {gather_hint(path, meta)}")
+            verify_file(where, meta["files"][name])
 

@@ -53,10 +53,44 @@ def newest_complete(save_dir: str | os.PathLike) -> tuple[str | None, str]:
     return best, f"{said}; the complete checkpoint with the most steps"
 
 
-def resume_tag(load_dir: str | os.PathLike) -> str | None:
+def _complete_tags(save_dir: str) -> dict[str, int]:
+    """Complete tags in `save_dir` -> their optimizer steps. No collectives."""
+    if not os.path.isdir(save_dir):
+        return {}
+    return {t: _global_steps(save_dir, t) for t in list_tags(save_dir)}
+
+
+# Note [auto_resume on node-local disks]
+# With checkpoint.use_node_local_storage every host reads its own disk, and the disks may
+# disagree: a save that failed while one host was renaming, a host that was replaced. Every
+# rank then resumes from the newest checkpoint that is complete on every host; where the
+# hosts have none in common, every rank raises, naming the ranks that lack the newest one.
+def _agree_across_hosts(load_dir: str, tag: str | None, why: str) -> tuple[str | None, str]:
+    views = comm.all_gather_object((tag, everywhere(_complete_tags, load_dir)))
+    if len({t for t, _ in views}) == 1:
+        return tag, why
+    common = set.intersection(*(set(tags) for _, tags in views))
+    if common:
+        steps = views[0][1]
+        best = max(common, key=lambda t: (steps[t], t))
+        return best, (f"the hosts' disks disagree on the newest checkpoint "
+                      f"({sorted({t for t, _ in views if t})}); the newest complete on every host")
+    newest = max((t for t, _ in views if t), key=lambda t: next(s[t] for _, s in views if t in s))
+    lacking = [r for r, (_, tags) in enumerate(views) if newest not in tags]
+    raise CheckpointError(
+        f"auto_resume: ranks {lacking} do not hold checkpoint {newest!r} in {load_dir} on their "
+        "node-local disks and the hosts hold no complete checkpoint in common: gather it with "
+        f"`meshspeed gather-checkpoint --hostfile HOSTFILE --tag {newest} {load_dir} --to DIR` "
+        "and copy DIR to every host at this path")
+
+
+def resume_tag(load_dir: str | os.PathLike, node_local: bool = False) -> str | None:
     """Collective: the tag every rank will resume from, or None on a first run. Ranks that
-    see different directories raise on every rank (they would resume different states)."""
+    see different directories raise on every rank (they would resume different states),
+    unless `node_local` (Note [auto_resume on node-local disks])."""
     tag, why = everywhere(newest_complete, load_dir)
+    if node_local:
+        tag, why = _agree_across_hosts(os.fspath(load_dir), tag, why)
     same_everywhere("checkpoint to resume from", f"{os.path.abspath(load_dir)}: {tag}")
     if comm.get_rank() == 0:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")

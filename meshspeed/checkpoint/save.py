@@ -5,7 +5,10 @@ creates `<tag>.tmp-<nonce>/`; every rank snapshots its state; then, either now o
 background thread (`checkpoint.async_save`), every rank writes its file and marker and rank
 0 publishes (Note [publishing a checkpoint] in writer.py). A failure on any rank raises on
 all ranks and leaves `latest` and earlier checkpoints untouched. State in swap files is
-always written before returning (Note [streaming swapped state] in snapshot.py).
+always written before returning (Note [streaming swapped state] in snapshot.py). With
+`checkpoint.use_node_local_storage` each disk's first rank does rank 0's part there (Note
+[checkpoints on node-local disks] in hosts.py); without it, every rank first checks that it
+sees rank 0's temporary directory (local_save.check_shared).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 from typing import Any
 
 from meshspeed import comm
-from meshspeed.checkpoint import pending
+from meshspeed.checkpoint import local_save, pending
 from meshspeed.checkpoint.agree import agree, everywhere, one_line, rank0_path
 from meshspeed.checkpoint.errors import CheckpointError, SaveDirError, TagMismatchError
 from meshspeed.checkpoint.paths import check_tag, default_tag
@@ -49,7 +52,8 @@ def _agree_on_tag(engine, tag: str) -> None:
 
 
 def _start(engine, save_dir: str, tag: str) -> str:
-    """Collective: rank 0 creates the temporary directory; every rank learns its name."""
+    """Collective: rank 0 creates the temporary directory; every rank learns its name and
+    checks that it sees it (local_save.check_shared)."""
     tmp, error = None, None
     if comm.get_rank() == 0:
         try:
@@ -59,6 +63,7 @@ def _start(engine, save_dir: str, tag: str) -> str:
     tmp, error = comm.broadcast_object((tmp, error), src=0)
     if error:
         raise CheckpointError(error)
+    local_save.check_shared(tmp, save_dir)
     return tmp
 
 
@@ -109,6 +114,18 @@ def _background_job(tmp: str, save_dir: str, tag: str, snap: RankSnapshot, world
 
 
 _warned_sync = False
+_warned_local = False
+
+
+def _warn_sync_local(engine) -> None:
+    """Node-local saves exchange every rank's file checksums by a collective, which a
+    background thread may not call: they are written before save_checkpoint returns."""
+    global _warned_local
+    if engine.config.checkpoint.async_save and not _warned_local and comm.get_rank() == 0:
+        log.warning("checkpoint.async_save with checkpoint.use_node_local_storage: checkpoints are "
+                    "written before save_checkpoint returns (each host's meta.json needs every "
+                    "rank's checksums, exchanged by a collective)")
+        _warned_local = True
 
 
 def _streams_anywhere(snap: RankSnapshot) -> bool:
@@ -147,14 +164,25 @@ def save_checkpoint(engine, save_dir, tag=None, client_state: Any = None, save_l
         log.warning("checkpoint %r is saved %d micro-step(s) into a gradient accumulation window "
                     "of %d: the partly accumulated gradients are not saved", tag,
                     engine.micro_steps % gas, gas)
-    tmp = _start(engine, save_dir, tag)
-    async_save = engine.config.checkpoint.async_save
+    node_local = engine.config.checkpoint.use_node_local_storage
+    if node_local:  # Note [checkpoints on node-local disks] in hosts.py
+        local = local_save.start(save_dir, tag)
+        tmp = local.tmp
+    else:
+        tmp = _start(engine, save_dir, tag)
+    async_save = engine.config.checkpoint.async_save and not node_local
     try:
         snap = everywhere(capture, engine, tag, client_state, copy=async_save, exclude_frozen=exclude_frozen)
     except CheckpointError:
-        if comm.get_rank() == 0:
+        if node_local:
+            local.discard()
+        elif comm.get_rank() == 0:
             discard(tmp)
         raise
+    if node_local:
+        _warn_sync_local(engine)
+        local_save.write(local, save_dir, tag, snap, save_latest)
+        return True
     if async_save and _streams_anywhere(snap):
         async_save = False  # the swap files must be read before training goes on
     if async_save:

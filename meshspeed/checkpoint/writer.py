@@ -7,7 +7,9 @@ waits for all markers, writes meta.json, renames the directory to `<tag>/` and o
 replaces `latest`. A crash at any point before that rename leaves only a `.tmp-` directory
 (ignored by loaders, removed by the next save of that tag), so `latest` always names a
 complete checkpoint. Markers are files rather than a collective so that the same code
-serves asynchronous saves, whose background threads must not call collectives.
+serves asynchronous saves, whose background threads must not call collectives. On
+node-local disks every disk is published this way by its own first rank (`seal`, then
+`finish` once every disk is sealed: local_save.py).
 """
 
 from __future__ import annotations
@@ -42,15 +44,25 @@ def _test_pause(point: str) -> None:
     """Called at named points of a save; tests replace it to freeze a rank there."""
 
 
-def prepare(save_dir: str, tag: str) -> str:
-    """Rank 0: create the temporary directory of this save (clearing stale ones of the tag)."""
+def temp_dir(save_dir: str, tag: str) -> str:
+    return f"{os.path.join(save_dir, tag)}.tmp-{secrets.token_hex(4)}"
+
+
+def prepare(save_dir: str, tag: str, tmp: str | None = None) -> str:
+    """Rank 0 (or each disk's first rank, Note [checkpoints on node-local disks] in
+    hosts.py): create the temporary directory of this save, `tmp` if given (it may exist
+    already: another host on the same disk made it), clearing stale ones of the tag."""
     final = os.path.join(save_dir, tag)
     try:
         os.makedirs(save_dir, exist_ok=True)
         for stale in glob.glob(glob.escape(final) + ".tmp-*"):
-            remove_tree(stale)  # left by an interrupted save of the same tag
-        tmp = f"{final}.tmp-{secrets.token_hex(4)}"
-        os.makedirs(tmp)
+            if stale != tmp:
+                remove_tree(stale)  # left by an interrupted save of the same tag
+        if tmp is None:
+            tmp = temp_dir(save_dir, tag)
+            os.makedirs(tmp)
+        else:
+            os.makedirs(tmp, exist_ok=True)
     except OSError as err:
         raise CheckpointError(describe_os_error(err, save_dir, "create a checkpoint in")) from err
     return tmp
@@ -66,14 +78,17 @@ def stream_tensors(path: str, tensors: dict[str, torch.Tensor | Deferred]) -> tu
     return w.nbytes, w.sha256
 
 
-def write_rank(tmp: str, snap: RankSnapshot) -> None:
-    """This rank's tensor file, then its marker (the marker says the file is durable)."""
+def write_rank(tmp: str, snap: RankSnapshot) -> dict:
+    """This rank's tensor file, then its marker (the marker says the file is durable);
+    returns the marker's content."""
     nbytes, sha = stream_tensors(os.path.join(tmp, rank_file(snap.rank)), snap.tensors)
     if snap.client_tensors:
         cb, csha = write_tensors(os.path.join(tmp, CLIENT_TENSORS), snap.client_tensors)
         snap.meta["files"][CLIENT_TENSORS] = {"bytes": cb, "sha256": csha}
     _test_pause("rank_file_written")
-    write_json(os.path.join(tmp, rank_marker(snap.rank)), {**snap.info, "bytes": nbytes, "sha256": sha})
+    marker = {**snap.info, "bytes": nbytes, "sha256": sha}
+    write_json(os.path.join(tmp, rank_marker(snap.rank)), marker)
+    return marker
 
 
 def write_failure(tmp: str, rank: int, message: str) -> None:
@@ -127,24 +142,40 @@ def discard(tmp: str) -> None:
                     "a checkpoint (load never reads it) and the next save of this tag removes it", tmp)
 
 
-def publish(tmp: str, save_dir: str, tag: str, meta: dict, markers: list[dict],
-            save_latest: bool) -> str:
-    """Rank 0: meta.json, rename to <tag>/, then `latest` (see Note [publishing a checkpoint])."""
+def seal(tmp: str, meta: dict, markers: list[dict]) -> None:
+    """meta.json into `tmp`, markers removed: the directory is ready to be renamed."""
     for info in sorted(markers, key=lambda m: m["rank"]):
         merge_rank(meta, info)
     check_coverage(meta)
     write_json(os.path.join(tmp, META), meta)
     for r in range(len(markers)):
-        os.remove(os.path.join(tmp, rank_marker(r)))
+        marker = os.path.join(tmp, rank_marker(r))
+        if os.path.exists(marker):  # node-local: only this disk's ranks' markers are here
+            os.remove(marker)
     if (meta.get("config") or {}).get("checkpoint", {}).get("format") == "deepspeed":
+        if not all(os.path.isfile(os.path.join(tmp, name)) for name in meta["files"]):
+            log.warning("meshspeed: checkpoint.format 'deepspeed': no DeepSpeed trail in %s, which "
+                        "holds only this host's files (use_node_local_storage)", tmp)
+            return
         # Note [a DeepSpeed trail in a meshspeed save]
         # lazy: the exporter imports this module (prepare()); a top-level import is a cycle
         from meshspeed.checkpoint.deepspeed_format.trail import write_trail
 
         write_trail(tmp, meta)
+
+
+def finish(tmp: str, save_dir: str, tag: str, save_latest: bool) -> str:
+    """Rename the sealed `tmp` to <tag>/, then replace `latest`."""
     final = os.path.join(save_dir, tag)
     _test_pause("before_publish")
     publish_dir(tmp, final)
     if save_latest:
         write_text(os.path.join(save_dir, LATEST), tag)
     return final
+
+
+def publish(tmp: str, save_dir: str, tag: str, meta: dict, markers: list[dict],
+            save_latest: bool) -> str:
+    """Rank 0: meta.json, rename to <tag>/, then `latest` (see Note [publishing a checkpoint])."""
+    seal(tmp, meta, markers)
+    return finish(tmp, save_dir, tag, save_latest)

@@ -28,7 +28,9 @@ class CheckpointConfig(StrictModel):
     # tag `<dir>/latest_universal` names; a DeepSpeed tag that is not universal is an error
     # (Note [checkpoint.load_universal]); meshspeed's own checkpoints load as usual
     load_universal: bool = False
-    use_node_local_storage: bool = False  # each node writes to its own disk
+    # each host writes its ranks' files and the metadata under save_dir on its own disk
+    # (Note [checkpoints on node-local disks] in checkpoint/hosts.py)
+    use_node_local_storage: bool = False
     parallel_write: dict[str, Any] | None = None  # e.g. {"pipeline_stage": true}
     # meshspeed: "deepspeed" also writes DeepSpeed 0.19's files (mp_rank_00_model_states.pt,
     # zero_pp_rank_<r>_...) into each saved tag, for a DeepSpeed-readable trail; meshspeed

@@ -8,30 +8,28 @@
 Resources are hosts with device slots: a hostfile (``worker-1 slots=4`` per line), or
 without one this machine (``localhost``, its CUDA devices). `--include` / `--exclude`
 (``host[:slot,slot][@host...]``) or `--num_nodes` / `--num_gpus` narrow them, as in
-DeepSpeed. One host: torchrun runs its slots here. Several hosts: meshspeed does not start
-processes over ssh; with `--node_rank` it runs that node's share (DeepSpeed's `--no_ssh`
-mode), otherwise it returns the command each node must run.
+DeepSpeed. One host: torchrun runs its slots here. Several hosts (or `--force_multi`): with
+`--node_rank` it runs that node's share here (DeepSpeed's `--no_ssh` mode), otherwise the
+plan names every host's share (`LaunchPlan.hosts`) for a launcher (remote_plan.py) to
+start. Inside a Slurm allocation without a hostfile the hosts are the allocation's
+(slurm_hosts.py) and the launcher is srun.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from meshspeed.launcher import slurm_hosts
+from meshspeed.launcher.remote_plan import LAUNCHERS
 
 LOCALHOST = "localhost"
 DEFAULT_PORT = 29500
 
 # Flags of the deepspeed launcher that have no meaning here, with the reason given.
 UNSUPPORTED = {
-    "--launcher": "meshspeed run starts processes through torchrun only (no pdsh/MPI/Slurm "
-                  "launcher); start one `meshspeed run` per node, or use srun/mpirun directly "
-                  "(meshspeed.init_distributed reads their environment)",
-    "--force_multi": "meshspeed run does not start processes on other hosts",
-    "--ssh_port": "meshspeed run does not use ssh",
     "--autotuning": "`meshspeed run` tunes before launching; launch_plan takes no tuning",
-    "--elastic_training": "use torchrun's own options (--nnodes MIN:MAX, --max-restarts)",
 }
 
 
@@ -52,17 +50,25 @@ class DeepSpeedFlags:
     master_port: int | None = None
     node_rank: int | None = None
     no_ssh: bool = False
+    launcher: str | None = None  # ssh (default) | pdsh | openmpi | slurm
+    ssh_port: int | None = None
+    force_multi: bool = False  # start through the launcher even for one host
 
 
 @dataclass
 class LaunchPlan:
-    """What torchrun is told, for this node. `node_commands` is set instead when this
-    process cannot run the job itself (several hosts, no --node_rank)."""
+    """What torchrun is told, for this node; or, when the job is started on several hosts
+    through a launcher (several hosts and no --node_rank, or --force_multi), `hosts` and
+    what goes with them instead."""
 
     nproc_per_node: int | None = None  # None: no resource option given, meshspeed run's default
     torchrun_options: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-    node_commands: list[str] = field(default_factory=list)
+    hosts: dict[str, int] = field(default_factory=dict)  # host -> processes; set: launch remotely
+    host_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per host (CUDA_VISIBLE_DEVICES)
+    master_addr: str | None = None  # with hosts: where they meet (default: the first host)
+    master_port: int = DEFAULT_PORT
+    launcher: str = "ssh"
 
 
 def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
@@ -143,14 +149,16 @@ def _visible(slots: list[int], visible_devices: str | None) -> str:
 
 
 def plan(flags: DeepSpeedFlags, *, device_count: int, hostfile_text: str | None = None,
-         environ: Mapping[str, str] | None = None,
-         node_command=None) -> LaunchPlan:
+         environ: Mapping[str, str] | None = None) -> LaunchPlan:
     """Turn deepspeed launcher flags into torchrun options for this node.
 
     `device_count` is the number of CUDA devices here (0: CPU, where a slot is a process);
-    `hostfile_text` the content of --hostfile; `node_command(node_rank, plan)` renders the
-    command a node runs (used when several hosts and no --node_rank)."""
+    `hostfile_text` the content of --hostfile; `environ` this process's environment
+    (CUDA_VISIBLE_DEVICES, a Slurm allocation's variables)."""
     environ = environ or {}
+    if flags.launcher is not None and flags.launcher not in LAUNCHERS:
+        raise LaunchError(f"--launcher {flags.launcher}: meshspeed run starts hosts with one of "
+                          f"{', '.join(LAUNCHERS)}")
     filtered = bool(flags.include or flags.exclude)
     if filtered and (flags.num_gpus is not None or flags.num_nodes is not None):
         raise LaunchError("--num_gpus/--num_nodes cannot be combined with --include/--exclude; "
@@ -159,9 +167,18 @@ def plan(flags: DeepSpeedFlags, *, device_count: int, hostfile_text: str | None 
         value = getattr(flags, name)
         if value is not None and value < 1:
             raise LaunchError(f"--{name} {value}: need at least 1")
+    slurm = flags.hostfile is None and flags.node_rank is None and not flags.no_ssh \
+        and slurm_hosts.in_allocation(environ)
     if flags.hostfile is not None:
         resources = {h: list(range(n)) for h, n in
                      parse_hostfile(hostfile_text or "", flags.hostfile).items()}
+    elif slurm:
+        try:
+            found = slurm_hosts.allocation_hosts(environ, flags.num_gpus, device_count)
+        except slurm_hosts.NodeListError as err:
+            raise LaunchError(str(err)) from None
+        resources = {h: list(range(n)) for h, n in found.items()}
+        flags = _with_default_launcher(flags, "slurm")
     else:
         if flags.num_nodes is not None and flags.num_nodes > 1:
             return _multi_node_without_hostfile(flags, device_count)
@@ -171,25 +188,25 @@ def plan(flags: DeepSpeedFlags, *, device_count: int, hostfile_text: str | None 
             chosen = parse_filter(flags.include or flags.exclude, flag)
             local = sorted(set(local) | {s for slots in chosen.values() for s in slots or []})
         resources = {LOCALHOST: local}
-    check = bool(device_count) or flags.hostfile is not None  # CPU without a hostfile: any slot
+    check = bool(device_count) or flags.hostfile is not None or slurm  # CPU, no hostfile: any slot
     hosts = select(resources, flags.include, flags.exclude, check_slots=check)
     if flags.num_nodes is not None:
         if flags.num_nodes > len(hosts):
             raise LaunchError(f"--num_nodes {flags.num_nodes}: the hostfile has {len(hosts)} host(s)")
         hosts = dict(list(hosts.items())[: flags.num_nodes])
     if flags.num_gpus is not None:
-        if device_count and flags.hostfile is None and flags.num_gpus > device_count:
+        if device_count and flags.hostfile is None and not slurm and flags.num_gpus > device_count:
             raise LaunchError(f"--num_gpus {flags.num_gpus}: this machine has {device_count} CUDA device(s)")
         hosts = {h: list(range(flags.num_gpus)) for h in hosts}
-    if len(hosts) == 1:
+    if len(hosts) == 1 and not flags.force_multi:
         slots = next(iter(hosts.values()))
-        counted = filtered or flags.num_gpus is not None or flags.hostfile is not None
+        counted = filtered or flags.num_gpus is not None or flags.hostfile is not None or slurm
         out = LaunchPlan(nproc_per_node=len(slots) if counted else None,
                          torchrun_options=_rendezvous(flags, None))
         if filtered and device_count:
             out.env["CUDA_VISIBLE_DEVICES"] = _visible(slots, environ.get("CUDA_VISIBLE_DEVICES"))
         return out
-    return _multi_host(flags, hosts, filtered, environ, node_command)
+    return _multi_host(flags, hosts, filtered, environ)
 
 
 def _rendezvous(flags: DeepSpeedFlags, nnodes: int | None, master_addr: str | None = None,
@@ -217,11 +234,17 @@ def _multi_node_without_hostfile(flags: DeepSpeedFlags, device_count: int) -> La
     return LaunchPlan(nproc_per_node=nproc, torchrun_options=_rendezvous(flags, flags.num_nodes))
 
 
-def _multi_host(flags, hosts, filtered, environ, node_command) -> LaunchPlan:
+def _with_default_launcher(flags: DeepSpeedFlags, launcher: str) -> DeepSpeedFlags:
+    return flags if flags.launcher is not None else DeepSpeedFlags(**{**vars(flags), "launcher": launcher})
+
+
+def _multi_host(flags, hosts, filtered, environ) -> LaunchPlan:
     sizes = {len(s) for s in hosts.values()}
-    if len(sizes) != 1:
+    uneven_ok = flags.node_rank is None and flags.launcher in ("ssh", None, "openmpi")
+    if len(sizes) != 1 and not uneven_ok:
         raise LaunchError(f"hosts with different slot counts {[(h, len(s)) for h, s in hosts.items()]}: "
-                          "torchrun runs the same number of processes on every node")
+                          "torchrun runs the same number of processes on every node with --node_rank, "
+                          "and so do pdsh and srun; start with the ssh or openmpi launcher")
     names = list(hosts)
     master = flags.master_addr or names[0]
     if flags.node_rank is not None:
@@ -230,11 +253,10 @@ def _multi_host(flags, hosts, filtered, environ, node_command) -> LaunchPlan:
         return _node_plan(flags, hosts, names, flags.node_rank, master, filtered, environ)
     if flags.no_ssh:
         raise LaunchError("--no_ssh with several hosts needs --node_rank (this node's index in the hostfile)")
-    render = node_command or (lambda rank, p: " ".join(map(shlex.quote, p.torchrun_options)))
-    # environ=None: CUDA_VISIBLE_DEVICES here says nothing about the other nodes' devices
-    commands = [render(rank, _node_plan(flags, hosts, names, rank, master, filtered, None))
-                for rank in range(len(names))]
-    return LaunchPlan(node_commands=[f"{names[r]}: {c}" for r, c in enumerate(commands)])
+    # CUDA_VISIBLE_DEVICES here says nothing about the other nodes' devices: slots count theirs
+    host_env = {h: {"CUDA_VISIBLE_DEVICES": _visible(s, None)} for h, s in hosts.items()} if filtered else {}
+    return LaunchPlan(hosts={h: len(s) for h, s in hosts.items()}, host_env=host_env, master_addr=master,
+                      master_port=flags.master_port or DEFAULT_PORT, launcher=flags.launcher or "ssh")
 
 
 def _node_plan(flags, hosts, names, rank, master, filtered, environ) -> LaunchPlan:

@@ -16,6 +16,14 @@ The `deepspeed` launcher's options are understood too (ds_launcher.py maps them)
 In that mode `import deepspeed` is meshspeed in the launched processes (Note [the deepspeed
 alias] in meshspeed/compat/alias.py) and each process gets DeepSpeed's ``--local_rank=N``
 argument (meshspeed/compat/child.py; ``--no_local_rank`` leaves it out).
+
+Several hosts start from one command (docs/multinode_launch.md)::
+
+    meshspeed run --hostfile hostfile [--launcher ssh|pdsh|openmpi|slurm] train.py
+
+multinode.py makes the job, remote_plan.py its commands, remote_run.py runs them; inside a
+Slurm allocation the hosts are its nodes (slurm_hosts.py). ``--nnodes MIN:MAX`` with
+--master_addr is made into the c10d rendezvous (elastic.py).
 """
 
 from __future__ import annotations
@@ -23,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -39,8 +46,9 @@ from meshspeed.autotune.trial import TuneError, substitute
 from meshspeed.autotune.tuner import autotune
 from meshspeed.compat.install import write_shim
 from meshspeed.config import ConfigError
-from meshspeed.launcher import ds_launcher
+from meshspeed.launcher import ds_launcher, elastic, multinode, remote_run, slurm_hosts
 from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError
+from meshspeed.launcher.remote_plan import RemoteJob
 
 PASSTHROUGH = True  # meshspeed.cli hands options it does not know to us as `args.extra`
 
@@ -52,7 +60,17 @@ _DS_OPTIONS = [
                                              "e.g. localhost:0,1"}),
     (("--exclude",), {"default": "", "help": "every resource but these (same format as --include)"}),
     (("--hostfile",), {"help": "DeepSpeed hostfile ('host slots=N' per line)"}),
-    (("--no_ssh", "--no-ssh"), {"action": "store_true", "help": "accepted: meshspeed never uses ssh"}),
+    (("--no_ssh", "--no-ssh"), {"action": "store_true",
+                                "help": "with --hostfile and --node_rank: run this node's share only"}),
+    (("--launcher",), {"default": None, "help": "how to start several hosts: ssh (default), pdsh, openmpi, "
+                                                "slurm (default inside a Slurm allocation)"}),
+    (("--ssh_port", "--ssh-port"), {"type": int, "help": "ssh port of the hosts"}),
+    (("--force_multi", "--force-multi"),
+     {"action": "store_true", "help": "start through the launcher even for one host"}),
+    (("--min_elastic_nodes", "--min-elastic-nodes"), {"type": int, "help": "elastic: --nnodes MIN:..."}),
+    (("--max_elastic_nodes", "--max-elastic-nodes"), {"type": int, "help": "elastic: --nnodes ...:MAX"}),
+    (("--elastic_training", "--elastic-training"),
+     {"action": "store_true", "help": "elastic: --nnodes 1:<hosts> unless the range is given"}),
     (("--bind_cores_to_rank", "--bind-cores-to-rank"),
      {"action": "store_true", "help": "OMP_NUM_THREADS = cores / processes (cores are not pinned)"}),
     (("--no_local_rank", "--no-local-rank"),
@@ -65,7 +83,7 @@ _NATIVE_OPTIONS = [  # torchrun has these; we read them to plan multi-node runs
     (("--master_port", "--master-port"), {"type": int, "help": "port on node 0"}),
     (("--node_rank", "--node-rank"), {"type": int, "help": "this node's index"}),
 ]
-_UNSUPPORTED_VALUE = {"--launcher", "--ssh_port", "--autotuning"}  # the others are plain switches
+_UNSUPPORTED_VALUE = {"--autotuning"}  # the others are plain switches
 
 
 def _add_options(parser: argparse.ArgumentParser, native: bool) -> None:
@@ -85,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.allow_abbrev = False
     parser.epilog = ("Every other torchrun option (--nnodes, --rdzv-*, --max-restarts, ...) is "
                      "passed through; see `python -m torch.distributed.run --help`. The deepspeed "
-                     "launcher's --num_gpus, --num_nodes, --include, --exclude, --hostfile, "
-                     "--master_addr, --master_port, --node_rank are understood.")
+                     "launcher's options are understood; with a hostfile of several hosts every "
+                     "host is started (docs/multinode_launch.md).")
     parser.add_argument("--nproc-per-node", "--nproc_per_node", default=None,
                         help="processes per node: an integer, or torchrun's gpu/cpu/auto "
                              "(default: number of CUDA devices, else 1)")
@@ -133,7 +151,8 @@ def _flags(ns: argparse.Namespace) -> DeepSpeedFlags | None:
                               f"{ds_launcher.UNSUPPORTED[flag]}")
     flags = DeepSpeedFlags(num_gpus=ns.num_gpus, num_nodes=ns.num_nodes, include=ns.include,
                            exclude=ns.exclude, hostfile=ns.hostfile, master_addr=ns.master_addr,
-                           master_port=ns.master_port, node_rank=ns.node_rank, no_ssh=ns.no_ssh)
+                           master_port=ns.master_port, node_rank=ns.node_rank, no_ssh=ns.no_ssh,
+                           launcher=ns.launcher, ssh_port=ns.ssh_port, force_multi=ns.force_multi)
     return None if flags == DeepSpeedFlags() else flags
 
 
@@ -150,22 +169,32 @@ def _compat_target(target: list[str], rest: list[str], parsed, no_local_rank: bo
 class Launch(NamedTuple):
     argv: list[str]  # for torchrun
     env: dict[str, str]  # set for the launched processes
-    node_commands: list[str]  # instead of argv: what each node must run (several hosts)
     compat: bool  # --deepspeed-compat: the deepspeed shim goes first on PYTHONPATH
+    remote: RemoteJob | None = None  # instead of argv: a job started on several hosts
 
 
 def launch_plan(args: argparse.Namespace, *, device_count: int | None = None,
                 environ=None) -> Launch:
     """What to start, from `meshspeed run`'s arguments. No processes start here.
 
-    Per-node commands are returned instead of argv when the job spans several hosts and
-    this process was not told which node it is (--node_rank)."""
+    A `RemoteJob` is returned instead of argv when the job is started on several hosts
+    (a hostfile or Slurm allocation with several, no --node_rank; or --force_multi)."""
     environ = os.environ if environ is None else environ
     if device_count is None:
         device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     launcher_tokens, target, parsed = _split([*getattr(args, "extra", []), *args.script])
     ns, rest = _read_flags(args, launcher_tokens)
+    # with a hostfile and no maximum, the maximum is its host count (multinode.remote_job)
+    deferred = ns.hostfile is not None and ns.max_elastic_nodes is None
+    ds_range = None if deferred else elastic.deepspeed_range(ns.min_elastic_nodes, ns.max_elastic_nodes, None)
+    if ds_range is not None:
+        if elastic.take_option(rest, ("--nnodes",))[0] is not None:
+            raise LaunchError("--nnodes and --min_elastic_nodes/--max_elastic_nodes both say the "
+                              "number of nodes; give one")
+        rest = ["--nnodes", ds_range, *rest]
     flags = _flags(ns)
+    if flags is None and slurm_hosts.in_allocation(environ):  # its nodes are the hosts
+        flags = DeepSpeedFlags()
     nproc, env, opts = ns.nproc_per_node, {}, []
     if flags is not None:
         hostfile_text = None
@@ -176,10 +205,10 @@ def launch_plan(args: argparse.Namespace, *, device_count: int | None = None,
             except OSError as err:
                 raise LaunchError(f"--hostfile {flags.hostfile}: {err.strerror}") from None
         plan = ds_launcher.plan(flags, device_count=device_count, hostfile_text=hostfile_text,
-                                environ=environ,
-                                node_command=lambda _rank, p: _node_command(p, ns, rest, target))
-        if plan.node_commands:
-            return Launch([], {}, plan.node_commands, ns.deepspeed_compat)
+                                environ=environ)
+        if plan.hosts:
+            return Launch([], {}, ns.deepspeed_compat,
+                          multinode.remote_job(plan, ns, rest, target, parsed, environ))
         if None not in (nproc, plan.nproc_per_node) and str(nproc) != str(plan.nproc_per_node):
             raise LaunchError(f"--nproc-per-node {nproc} and the deepspeed launcher options "
                               f"({plan.nproc_per_node} processes per node) disagree; give one")
@@ -191,19 +220,13 @@ def launch_plan(args: argparse.Namespace, *, device_count: int | None = None,
         # DeepSpeed also pins each rank to its share of the cores (numactl); torchrun does
         # not, so only the thread count follows the split
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
+    rest, elastic_env = elastic.local_form(rest, ns.master_addr, ns.master_port)
+    if "--rdzv-endpoint" in rest and elastic_env:  # c10d at --master_addr: torchrun's own go unused
+        opts = elastic.take_option(elastic.take_option(opts, ("--master-addr",))[1], ("--master-port",))[1]
+    env.update(elastic_env)
     if ns.deepspeed_compat:
         target, rest = _compat_target(target, rest, parsed, ns.no_local_rank)
-    return Launch(["--nproc-per-node", str(nproc), *opts, *rest, *target], env, [], ns.deepspeed_compat)
-
-
-def _node_command(plan, ns, rest: list[str], target: list[str]) -> str:
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
-    words = ["meshspeed", "run", "--nproc-per-node", str(plan.nproc_per_node), *plan.torchrun_options]
-    words += ["--deepspeed-compat"] if ns.deepspeed_compat else []
-    words += ["--no_local_rank"] if ns.no_local_rank else []
-    words += ["--bind_cores_to_rank"] if ns.bind_cores_to_rank else []
-    line = " ".join(shlex.quote(w) for w in [*words, *rest, *target])
-    return f"{env} {line}" if env else line
+    return Launch(["--nproc-per-node", str(nproc), *opts, *rest, *target], env, ns.deepspeed_compat)
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
@@ -274,12 +297,8 @@ def main(args: argparse.Namespace) -> int:
     except LaunchError as err:
         print(f"meshspeed run: {err}", file=sys.stderr)
         return 2
-    if launch.node_commands:
-        print("meshspeed run: the job spans several hosts and meshspeed does not start processes "
-              "over ssh; run on each node (or add --node_rank N on that node):", file=sys.stderr)
-        for line in launch.node_commands:
-            print(f"  {line}", file=sys.stderr)
-        return 2
+    if launch.remote is not None:
+        return remote_run.run(launch.remote)
     try:
         with _launch_environment(launch.env, compat=launch.compat):
             torchrun_main(launch.argv)

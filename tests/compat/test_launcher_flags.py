@@ -107,12 +107,10 @@ def test_compat_mode_starts_each_rank_in_the_child_entry_point():
 def test_hostfile_several_hosts(tmp_path):
     hosts = tmp_path / "hostfile"
     hosts.write_text(HOSTFILE)
-    # no --node_rank: the command for each node, nothing started
+    # no --node_rank: a job started on every host (tests/launcher/test_multinode.py)
     result = torchrun(["--hostfile", str(hosts), "--deepspeed-compat", "train.py", "--deepspeed"], 4)
-    assert result.argv == [] and len(result.node_commands) == 2
-    assert result.node_commands[1] == (
-        "worker-2: meshspeed run --nproc-per-node 4 --nnodes 2 --node-rank 1 --master-addr worker-1 "
-        "--master-port 29500 --deepspeed-compat train.py --deepspeed")
+    assert result.argv == [] and result.remote.hosts == {"worker-1": 4, "worker-2": 4}
+    assert result.remote.master_addr == "worker-1" and result.remote.run_options == ["--deepspeed-compat"]
     # --node_rank (DeepSpeed's --no_ssh mode): this node's share
     result = torchrun(["--hostfile", str(hosts), "--no_ssh", "--node_rank", "1", "--master_addr", "10.1.1.1",
                        "--include", "worker-1:0,1@worker-2:2,3", "train.py"], 4)
@@ -142,8 +140,8 @@ def test_uneven_hosts_and_unsupported_launcher_options():
     with pytest.raises(LaunchError, match="different slot counts"):
         plan(DeepSpeedFlags(hostfile="h", node_rank=0), device_count=0,
              hostfile_text="a slots=2\nb slots=1")
-    with pytest.raises(LaunchError, match="--launcher .* not supported"):
-        torchrun(["--launcher", "slurm", "train.py"])
+    with pytest.raises(LaunchError, match="--launcher mpich: .* one of ssh, pdsh, openmpi, slurm"):
+        torchrun(["--launcher", "mpich", "train.py"])
     with pytest.raises(LaunchError, match="disagree"):
         torchrun(["--nproc-per-node", "3", "--num_gpus", "2", "train.py"])
 
