@@ -22,23 +22,24 @@ TOL = 1e-5  # Note in test_elastic.py: why not bit-equal
 
 def agent_argv(endpoint: str, run_id: str, nproc: int, out_dir: Path, ckpt_dir: Path,
                event: str, is_host: bool | None = None, stage: int = 2) -> list[str]:
-    """One host's `meshspeed run` of an elastic job of 1 to 2 hosts (c10d rendezvous).
+    """One host's `meshspeed run --nnodes 1:2 --master_addr A`, the documented form: meshspeed
+    makes it the c10d rendezvous at A and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
     last_call_timeout: a lone first host starts after 3 s, not torch's 30. `is_host`: this
     agent keeps the rendezvous's store (or not); by default, the agent on the endpoint's
     address. On one machine every agent is on it, and the first to start would keep it."""
     conf = "last_call_timeout=3" + ("" if is_host is None else f",is_host={str(is_host).lower()}")
+    addr, port = endpoint.rsplit(":", 1)
     return [sys.executable, "-m", "meshspeed.cli", "run", "--nnodes", "1:2",
-            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--nproc-per-node", str(nproc), "--master_addr", addr, "--master_port", port,
             "--rdzv-id", run_id, "--rdzv-conf", conf, "--max-restarts", "3",
             str(SCRIPT), str(out_dir), str(ckpt_dir), event, str(stage)]
 
 
 def agent_env(victim: bool = False) -> dict[str, str]:
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch 2.13's shared store deadlocks a grow
-    # (until `meshspeed run --nnodes MIN:MAX` sets it itself)
+    # no TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: `meshspeed run` must set it (a grow
+    # deadlocks without it: docs/multinode_elastic.md)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
-           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     if victim:
         env["ELASTIC_VICTIM"] = "1"
     return env
