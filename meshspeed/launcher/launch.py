@@ -39,7 +39,7 @@ from meshspeed.autotune.trial import TuneError, substitute
 from meshspeed.autotune.tuner import autotune
 from meshspeed.compat.install import write_shim
 from meshspeed.config import ConfigError
-from meshspeed.launcher import ds_launcher
+from meshspeed.launcher import ds_launcher, rounds
 from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError
 
 PASSTHROUGH = True  # meshspeed.cli hands options it does not know to us as `args.extra`
@@ -282,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         with _launch_environment(launch.env, compat=launch.compat):
-            torchrun_main(launch.argv)
+            torchrun_main(rounds.install(launch.argv))  # Note [the agents number the attempts]
     except ChildFailedError as failure:  # torchrun's own entry point exits 1 here too
         print(failure, file=sys.stderr)
         return 1
