@@ -95,3 +95,41 @@ def test_a_killed_host_started_again_resumes_the_job_exactly(tmp_path):
     resumed, uninterrupted = torch.load(out / "final.pt"), torch.load(tmp_path / "final.pt")
     for name, value in uninterrupted.items():
         assert torch.equal(resumed[name], value), f"{name} differs from the uninterrupted run"
+
+
+def test_a_host_that_never_returns_ends_the_job_naming_it_and_its_ranks(tmp_path):
+    with Cluster(tmp_path, hosts=2) as cluster:
+        h0, h1 = cluster.hosts
+        out = cluster.shared_path
+        p0, log0 = _agent(cluster, h0, out, "first")
+        _agent(cluster, h1, out, "first")
+        _wait_steps(out / "log-rank0.txt", 2, p0)
+        h1.kill()
+        killed = time.monotonic()
+        rc0 = _finish(p0)
+        waited = time.monotonic() - killed
+        text = log0.read_text()
+    assert rc0 != 0, text[-6000:]
+    # the survivors' wait is bounded by comms_timeout plus the rendezvous keep-alive expiry
+    # (Note [a host that does not come back]), not torch's 600 s join timeout
+    assert waited < hosts_script.COMMS_TIMEOUT_S + 15 + 60, waited
+    assert re.search(r"meshspeed: rank 2 on host node1, rank 3 on host node1: did not join "
+                     r"attempt 1 within \d+ s", text), text[-6000:]
+
+
+def test_a_cut_link_is_reported_as_an_unreachable_host_and_the_job_ends(tmp_path):
+    with Cluster(tmp_path, hosts=2) as cluster:
+        h0, h1 = cluster.hosts
+        out = cluster.shared_path
+        p0, log0 = _agent(cluster, h0, out, "first")
+        p1, _ = _agent(cluster, h1, out, "first")
+        _wait_steps(out / "log-rank0.txt", 2, p0)
+        cluster.cut(h1)
+        rc0 = _finish(p0)
+        text = log0.read_text()
+        h1.kill()
+        p1.wait(timeout=30)
+    assert rc0 != 0, text[-6000:]
+    assert re.search(r"rank [23] on host node1 \(process \d+\): unreachable since \d\d:\d\d:\d\d",
+                     text), text[-6000:]
+    assert re.search(r"rank 2 on host node1, rank 3 on host node1: did not join attempt 1", text), text[-6000:]
