@@ -8,6 +8,7 @@ the final parameters to final.pt."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -19,7 +20,8 @@ PAUSE_S = 0.4  # per step, so that a host can be killed mid-run
 COMMS_TIMEOUT_S = 20
 
 
-def train(out_dir: str, pause: float = PAUSE_S) -> None:
+def train(out_dir: str, pause: float = PAUSE_S, kill_at: int = -1) -> None:
+    """`kill_at` >= 0: rank 3 kills itself (SIGKILL) mid-step `kill_at`, once."""
     import meshspeed
     from meshspeed.data import RepeatingLoader
     from meshspeed.models.gpt import GPT
@@ -44,9 +46,13 @@ def train(out_dir: str, pause: float = PAUSE_S) -> None:
     log = open(os.path.join(out_dir, f"log-rank{rank}.txt"), "a")  # noqa: SIM115 - one per process
     while engine.global_steps < TOTAL:
         step = engine.global_steps
-        for _ in range(engine.gradient_accumulation_steps()):
+        for micro in range(engine.gradient_accumulation_steps()):
             (tokens,) = next(batches)
             loss = engine(tokens[:, :-1], tokens[:, 1:])
+            marker = os.path.join(out_dir, "killed")
+            if rank == 3 and step == kill_at and micro == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the others wait in a collective
             engine.backward(loss)
             engine.step()
         log.write(f"attempt {attempt} step {step} loss {loss.item()!r}\n")
@@ -61,4 +67,4 @@ def train(out_dir: str, pause: float = PAUSE_S) -> None:
 
 
 if __name__ == "__main__":
-    train(sys.argv[1])
+    train(sys.argv[1], PAUSE_S, int(sys.argv[2]) if len(sys.argv) > 2 else -1)

@@ -26,7 +26,7 @@ BOUND_S = 150  # every wait of these tests; the jobs' own bounds are well inside
 pytestmark = pytest.mark.skipif(not namespaces_available()[0], reason=namespaces_available()[1])
 
 
-def _agent(cluster: Cluster, host, out_dir: Path, tag: str) -> tuple[subprocess.Popen, Path]:
+def _agent(cluster: Cluster, host, out_dir: Path, tag: str, *script_args: str) -> tuple[subprocess.Popen, Path]:
     """`meshspeed run` on `host` (its half of the job); its output goes to a file."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT), "HOME": "/root"}
@@ -35,7 +35,7 @@ def _agent(cluster: Cluster, host, out_dir: Path, tag: str) -> tuple[subprocess.
     argv = [sys.executable, "-m", "meshspeed.cli", "run", "--nnodes", "2", "--node-rank",
             str(host.index), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{h0.addr}:{PORT}",
             "--rdzv-id", "t", "--max-restarts", "2", "--nproc-per-node", "2",
-            str(Path(hosts_script.__file__)), str(out_dir)]
+            str(Path(hosts_script.__file__)), str(out_dir), *script_args]
     with open(log, "w") as f:
         proc = host.popen(argv, env=env, cwd=str(out_dir), stdout=f, stderr=subprocess.STDOUT)
     return proc, log
@@ -133,3 +133,19 @@ def test_a_cut_link_is_reported_as_an_unreachable_host_and_the_job_ends(tmp_path
     assert re.search(r"rank [23] on host node1 \(process \d+\): unreachable since \d\d:\d\d:\d\d",
                      text), text[-6000:]
     assert re.search(r"rank 2 on host node1, rank 3 on host node1: did not join attempt 1", text), text[-6000:]
+
+
+def test_a_rank_killed_on_another_host_is_named_dead_with_its_host(tmp_path):
+    with Cluster(tmp_path, hosts=2) as cluster:
+        h0, h1 = cluster.hosts
+        out = cluster.shared_path
+        kill_at = hosts_script.EVERY + 1
+        p0, log0 = _agent(cluster, h0, out, "first", str(kill_at))
+        p1, log1 = _agent(cluster, h1, out, "first", str(kill_at))
+        rc0, rc1 = _finish(p0), _finish(p1)
+        text = log0.read_text()
+        assert (rc0, rc1) == (0, 0), (text + log1.read_text())[-6000:]
+    assert (out / "killed").exists(), "rank 3 never killed itself: the test tested nothing"
+    # node0 learns it from node1's survivor (rank 2 posts it as it is stopped)
+    assert re.search(r"rank 3 on host node1 \(process \d+\): died", text), text[-6000:]
+    assert sorted(_steps(out / "log-rank0.txt")) == ["0", "1"]
