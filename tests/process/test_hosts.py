@@ -26,15 +26,17 @@ BOUND_S = 150  # every wait of these tests; the jobs' own bounds are well inside
 pytestmark = pytest.mark.skipif(not namespaces_available()[0], reason=namespaces_available()[1])
 
 
-def _agent(cluster: Cluster, host, out_dir: Path, tag: str, *script_args: str) -> tuple[subprocess.Popen, Path]:
+def _agent(cluster: Cluster, host, out_dir: Path, tag: str, *script_args: str,
+           nnodes: str = "2", rdzv_conf: str = "") -> tuple[subprocess.Popen, Path]:
     """`meshspeed run` on `host` (its half of the job); its output goes to a file."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT), "HOME": "/root"}
     h0 = cluster.hosts[0]
     log = out_dir / f"agent-{host.name}-{tag}.txt"
-    argv = [sys.executable, "-m", "meshspeed.cli", "run", "--nnodes", "2", "--node-rank",
+    argv = [sys.executable, "-m", "meshspeed.cli", "run", "--nnodes", nnodes, "--node-rank",
             str(host.index), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{h0.addr}:{PORT}",
             "--rdzv-id", "t", "--max-restarts", "2", "--nproc-per-node", "2",
+            *(["--rdzv-conf", rdzv_conf] if rdzv_conf else []),
             str(Path(hosts_script.__file__)), str(out_dir), *script_args]
     with open(log, "w") as f:
         proc = host.popen(argv, env=env, cwd=str(out_dir), stdout=f, stderr=subprocess.STDOUT)
@@ -149,3 +151,21 @@ def test_a_rank_killed_on_another_host_is_named_dead_with_its_host(tmp_path):
     # node0 learns it from node1's survivor (rank 2 posts it as it is stopped)
     assert re.search(r"rank 3 on host node1 \(process \d+\): died", text), text[-6000:]
     assert sorted(_steps(out / "log-rank0.txt")) == ["0", "1"]
+
+
+def test_a_host_joining_an_elastic_job_is_reported_as_a_join(tmp_path):
+    with Cluster(tmp_path, hosts=2) as cluster:
+        h0, h1 = cluster.hosts
+        out = cluster.shared_path
+        # a short last call: the first round need not wait 30 s for a second host
+        p0, log0 = _agent(cluster, h0, out, "first", nnodes="1:2", rdzv_conf="last_call_timeout=2")
+        _wait_steps(out / "log-rank0.txt", 1, p0)
+        p1, log1 = _agent(cluster, h1, out, "first", nnodes="1:2", rdzv_conf="last_call_timeout=2")
+        rc0, rc1 = _finish(p0), _finish(p1)
+        text = log0.read_text()
+        assert (rc0, rc1) == (0, 0), (text + log1.read_text())[-6000:]
+    assert "meshspeed: host node1 joined; the job restarts at the new size" in text, text[-6000:]
+    assert re.search(r"meshspeed: rank 0 stopped by the launcher \(SIGTERM\) at .*: host node1 "
+                     r"joined; the job restarts at the new size", text), text[-6000:]
+    assert "died" not in text, text[-6000:]
+    assert sorted(_steps(out / "log-rank0.txt")) == ["0", "1"]  # grown: attempt 1 on 4 ranks
