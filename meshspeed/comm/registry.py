@@ -155,8 +155,46 @@ def post_dead(store: Any, rank: int, pid: int) -> None:
 
 
 def record(rank: int) -> str:
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "addr": _my_addr(),
                        "attempt": attempt(), "t": time.time()})
+
+
+_addr: dict[str, str] = {}  # MASTER_ADDR -> this host's address toward it
+
+
+def _my_addr() -> str:
+    """The address this host's connections to the rendezvous come from (what peers see:
+    a collective's error names it), or "" where it cannot be found."""
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        return ""
+    if master not in _addr:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, 9))  # no packet is sent: this only picks the route
+                _addr[master] = s.getsockname()[0]
+        except OSError:
+            return ""
+    return _addr[master]
+
+
+def describe_address(ip: str, port: str | int) -> str:
+    """`host node1 (ranks 2, 3) at 198.18.0.2:41234`: the registered ranks at the address a
+    backend's error gives; the bare address where none is registered."""
+    store, ranks, host = root_store(), [], None
+    try:
+        for rank in range(dist.get_world_size()):
+            raw = store.get(f"{PREFIX}/{rank}") if store.check([f"{PREFIX}/{rank}"]) else None
+            rec = json.loads(raw) if raw is not None else {}
+            if rec.get("addr") == ip:
+                ranks.append(rank)
+                host = rec["host"]
+    except Exception:  # noqa: BLE001, S110 - best effort: the address alone
+        pass
+    if host is None:
+        return f"{ip}:{port}"
+    which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"host {host} ({which}) at {ip}:{port}"
 
 
 class _Heartbeat:

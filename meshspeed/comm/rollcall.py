@@ -67,7 +67,7 @@ def introduce() -> None:
         store = distributed_c10d._get_default_store()
         store.set(_key("who", dist.get_rank()),
                   json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-    except Exception:  # noqa: BLE001, S110 - best effort (no default group, or no store)
+    except Exception:  # noqa: BLE001 - best effort (no default group, or no store)
         return
     registry.register(dist.get_rank())  # Note [host registry and heartbeat]
 

@@ -50,7 +50,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.run import get_args_parser

@@ -59,3 +59,20 @@ def _registered() -> tuple[str, int, bool]:
 
 def test_every_rank_is_registered_with_its_host_and_keeps_beating():
     assert run_distributed(_registered, 2) == [(True, True, True)] * 2
+
+
+def _address_named() -> str:
+    # lazy: only the ranks need the registry's store
+    import socket
+
+    from meshspeed.comm import rollcall
+
+    rollcall.introduce()
+    return registry.describe_address("127.0.0.1", 4242), socket.gethostname()
+
+
+def test_an_address_in_a_backend_error_is_named_with_its_host_and_ranks():
+    text, host = run_distributed(_address_named, 2)[0]
+    # both ranks run on this machine, at the loopback address the harness uses
+    assert text == f"host {host} (ranks 0, 1) at 127.0.0.1:4242", text
+    assert registry.describe_address("198.18.0.9", 1) == "198.18.0.9:1"  # nothing registered
