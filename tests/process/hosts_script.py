@@ -17,7 +17,7 @@ import torch
 TOTAL, EVERY = 12, 3  # optimizer steps, checkpoint interval
 SAMPLES = 32
 PAUSE_S = 0.4  # per step, so that a host can be killed mid-run
-PAUSE_ALONE_S = 4.0  # per step while 2 ranks run alone: the other host joins meanwhile
+PAUSE_ALONE_S = 4.0  # per step while 2 ranks start alone: the other host joins meanwhile
 COMMS_TIMEOUT_S = 20
 
 
@@ -60,7 +60,7 @@ def train(out_dir: str, pause: float = PAUSE_S, kill_at: int = -1) -> None:
         log.flush()
         if engine.global_steps % EVERY == 0:
             engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
-        alone = torch.distributed.get_world_size() == 2
+        alone = torch.distributed.get_world_size() == 2 and attempt == "0"
         time.sleep(PAUSE_ALONE_S if alone and pause else pause)
     if rank == 0:
         torch.save({k: v.clone() for k, v in engine.module.state_dict().items()},

@@ -169,3 +169,20 @@ def test_a_host_joining_an_elastic_job_is_reported_as_a_join(tmp_path):
                      r"joined; the job restarts at the new size", text), text[-6000:]
     assert "died" not in text, text[-6000:]
     assert sorted(_steps(out / "log-rank0.txt")) == ["0", "1"]  # grown: attempt 1 on 4 ranks
+
+
+def test_an_elastic_job_goes_on_without_a_host_that_never_returns(tmp_path):
+    with Cluster(tmp_path, hosts=2) as cluster:
+        h0, h1 = cluster.hosts
+        out = cluster.shared_path
+        p0, log0 = _agent(cluster, h0, out, "first", nnodes="1:2", rdzv_conf="last_call_timeout=2")
+        _agent(cluster, h1, out, "first", nnodes="1:2", rdzv_conf="last_call_timeout=2")
+        _wait_steps(out / "log-rank0.txt", hosts_script.EVERY + 1, p0)
+        h1.kill()
+        rc0 = _finish(p0)
+        text = log0.read_text()
+    assert rc0 == 0, text[-6000:]
+    assert re.search(r"rank [23] on host node1 \(process \d+\): unreachable since", text), text[-6000:]
+    assert "did not join" not in text, text[-6000:]
+    steps = _steps(out / "log-rank0.txt")
+    assert sorted(steps) == ["0", "1"] and steps["1"][-1][0] == hosts_script.TOTAL - 1, steps
