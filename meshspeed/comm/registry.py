@@ -130,6 +130,22 @@ def posted_dead(store: Any, ranks: list[int]) -> list[int]:
         return []
 
 
+def post_stopped(store: Any, rank: int) -> None:
+    """Say that `rank` is being stopped by its launcher (SIGTERM): when its process is gone,
+    it was stopped, it did not die."""
+    try:
+        root_store(store).set(f"meshspeed/stopped/{attempt()}/{rank}", "1")
+    except Exception:  # noqa: BLE001, S110 - best effort
+        pass
+
+
+def was_stopped(store: Any, rank: int) -> bool:
+    try:
+        return bool(root_store(store).check([f"meshspeed/stopped/{attempt()}/{rank}"]))
+    except Exception:  # noqa: BLE001 - best effort
+        return False
+
+
 def joining_key(name: str) -> str:
     """Where an agent posts the hosts waiting to join, before it stops attempt `name`'s
     workers (meshspeed/launcher/rounds.py); the SIGTERM report reads it."""

@@ -180,6 +180,8 @@ def _describe(store: Any, rank: int, rec: dict | None, group: str, seq: int) -> 
     if _alive(peer.pid):
         return registry.peer_line(peer, rank, time.time(), f"still computing (no answer within "
                                   f"{GRACE_S:.0f} s; or it waits outside any collective)"), False
+    if registry.was_stopped(store, rank):
+        return registry.peer_line(peer, rank, time.time(), "stopped by its launcher (SIGTERM)"), False
     registry.post_dead(store, rank, peer.pid)
     return registry.peer_line(peer, rank, time.time(), "died (its process is gone; see its own output)"), False
 
@@ -193,7 +195,8 @@ def dead_peers(ranks: Iterable[int]) -> list[tuple[int, int]]:
     host, me, dead = socket.gethostname(), dist.get_rank(), []
     for rank in ranks:
         who = _read(store, _key("who", rank)) if rank != me else None
-        if who is not None and who.get("host") == host and not _alive(int(who["pid"])):
+        if (who is not None and who.get("host") == host and not _alive(int(who["pid"]))
+                and not registry.was_stopped(store, rank)):  # stopped by its launcher: not dead
             dead.append((rank, int(who["pid"])))
             registry.post_dead(store, rank, int(who["pid"]))  # for the other hosts' reports
     return dead

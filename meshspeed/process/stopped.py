@@ -131,6 +131,8 @@ def _read_list(store, key: str) -> list[str]:
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     try:
+        if dist.is_initialized():  # a sibling gone after this is stopped, not dead
+            registry.post_stopped(None, dist.get_rank())
         if dist.is_initialized() and dist.get_rank() != 0:  # post this host's dead for rank 0
             rollcall.dead_peers(_local_ranks(dist.get_rank(), dist.get_world_size()))
         if dist.is_initialized() and dist.get_rank() == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 from meshspeed.process import stopped
@@ -35,10 +36,14 @@ def _remote_report(case: str) -> str:
     """Rank 0 of 2 reads the report for a job of 4 whose ranks 2 and 3 are on host "node1"
     (records made up here, in this test's own attempt)."""
     # lazy: only the ranks need the registry
-    from meshspeed.comm import registry
+    from torch.distributed import distributed_c10d
 
-    os.environ[registry.ROUND_VAR] = {"dead": "9001", "stale": "9002", "joined": "9003", "back": "9004"}[case]
-    os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = "2", os.environ["RANK"]
+    from meshspeed.comm import registry, rollcall
+
+    os.environ[registry.ROUND_VAR] = {"dead": "9001", "stale": "9002", "joined": "9003", "back": "9004",
+                                      "stopped": "9005"}[case]
+    os.environ["LOCAL_WORLD_SIZE"] = "4" if case == "stopped" else "2"
+    os.environ["LOCAL_RANK"] = os.environ["RANK"]
     try:
         store = registry.root_store()
         fresh, old = time.time(), time.time() - 60
@@ -51,6 +56,11 @@ def _remote_report(case: str) -> str:
                 registry.post_dead(store, 3, 813)
             if case == "joined":
                 store.set(registry.joining_key(registry.attempt()), json.dumps(["node2"]))
+            if case == "stopped":  # ranks 2 and 3 on this host, gone; 2 was stopped by SIGTERM
+                for rank in (2, 3):  # where init_distributed posts them (Note [roll call])
+                    distributed_c10d._get_default_store().set(rollcall._key("who", rank), json.dumps(
+                        {"host": socket.gethostname(), "pid": _gone_pid()}))
+                registry.post_stopped(store, 2)
             if case == "back":
                 store.set(registry.returned_key(registry.attempt()), json.dumps(["node1"]))
         store.set(f"ready/{case}/{os.environ['RANK']}", "1")
@@ -83,3 +93,19 @@ def test_the_ranks_of_a_host_whose_agent_came_back_died():
     msg = run_distributed(_remote_report, 2, args=("back",))[0]
     assert ("rank 2 on host node1 (process 812): died (host node1 came back without it), "
             "rank 3 on host node1 (process 813): died") in msg, msg
+
+
+def _gone_pid() -> int:
+    """A process id that is not in use (a child that has exited and been reaped)."""
+    # lazy: only the test's rank needs it
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait(timeout=30)
+    return child.pid
+
+
+def test_a_sibling_the_launcher_stopped_is_not_reported_dead():
+    msg = run_distributed(_remote_report, 2, args=("stopped",))[0]
+    assert "rank 3 on host" in msg and "(process " in msg and "): died" in msg, msg
+    assert "rank 2 on host" not in msg, msg
