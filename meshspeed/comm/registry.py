@@ -18,6 +18,8 @@ refreshes that record every BEAT_S seconds with the time. A peer whose record is
 than STALE_S is unreachable since its last beat (its host died, or the link to the store
 is cut); a rank whose host's survivor saw its process gone posts it as dead
 (`post_dead`). Cost: one store.set per rank every BEAT_S seconds, off the training thread.
+The age of a beat compares two hosts' clocks: they must agree to within a second or so
+(NTP, as on any cluster); a clock far behind makes its ranks look unreachable.
 """
 
 from __future__ import annotations
