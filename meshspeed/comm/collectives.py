@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from meshspeed.comm import blocked, counter, debug, rollcall, sequence
+from meshspeed.comm import blocked, counter, debug, registry, rollcall, sequence
 from meshspeed.comm.counter import ring_bytes
 
 ReduceOpLike = str | dist.ReduceOp
@@ -105,7 +105,7 @@ def _timeout_error(op: str, group: Any, seq: int, site: str, err: Exception) -> 
             f"{type(err).__name__}: {first}")
     elif "connection closed by peer" in lowered or "connection reset by peer" in lowered:
         peer = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
-        who = f" ({peer.group(1)}:{peer.group(2)})" if peer else ""
+        who = f" ({registry.describe_address(peer.group(1), peer.group(2))})" if peer else ""
         kind, says = PeerLostError, (
             f"{where} failed: a peer{who} closed its connection; it died or exited, see its "
             f"own error above. {type(err).__name__}: {first}")

@@ -13,7 +13,9 @@ for a peer on this host whose process is gone: it will never answer) and reads t
   as exited after its last call on the group;
 * a peer with no record did not answer: its host and pid, posted at start (`introduce`),
   tell on this host whether the process still runs (computing, or waiting outside any
-  collective) or is gone (it died).
+  collective) or is gone (it died); on another host, the registry's heartbeat and the
+  deaths its host's survivors posted tell the same (Note [host registry and heartbeat] in
+  registry.py). Every line names the rank's host: `rank 3 on host node1 (process 812): died`.
 
 Everything here is best effort and bounded: the store's timeout is lowered to STORE_S
 first, and any failure of the store leaves the report out rather than hiding the error
@@ -33,6 +35,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from meshspeed.comm import registry
+
 GRACE_S = 5.0  # how long a failing rank waits for its peers' records
 STORE_S = 3.0
 _PREFIX = "meshspeed/rollcall"
@@ -51,10 +55,9 @@ def _store() -> Any:
 
 
 def _key(kind: str, rank: int) -> str:
-    # torchrun's static rendezvous keeps one store across restarts of the group: a key of
-    # this attempt must not be read as a record of the previous one
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"{_PREFIX}/{attempt}/{kind}/{rank}"
+    # the rendezvous store outlives the group across restarts: a key of this attempt must
+    # not be read as a record of the previous one (Note [attempts every host agrees on])
+    return f"{_PREFIX}/{registry.attempt()}/{kind}/{rank}"
 
 
 def introduce() -> None:
@@ -64,8 +67,9 @@ def introduce() -> None:
         store = distributed_c10d._get_default_store()
         store.set(_key("who", dist.get_rank()),
                   json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-    except Exception:  # noqa: BLE001, S110 - best effort (no default group, or no store)
-        pass
+    except Exception:  # noqa: BLE001 - best effort (no default group, or no store)
+        return
+    registry.register(dist.get_rank())  # Note [host registry and heartbeat]
 
 
 def post_exit(issued: dict[str, int]) -> None:
@@ -128,40 +132,58 @@ def report(op: str, group_ranks: list[int], seq: int, site: str) -> str:
                                     or rec.get("seq") >= seq):
                 records[r] = rec
         # a peer whose process is gone will never answer: no need to wait the grace out
-        dead = {r for r, _ in dead_peers([r for r in peers if r not in records])}
+        waiting = [r for r in peers if r not in records]
+        dead = {r for r, _ in dead_peers(waiting)} | set(registry.posted_dead(store, waiting))
         if len(records) + len(dead) == len(peers) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    lines, missing = [], []
+    lines, missing, hosts = [], [], {}
     for r in peers:
         line, arrived = _describe(store, r, records.get(r), group, seq)
-        lines.append(f"  rank {r}: {line}")
+        lines.append(f"  {line}")
         if not arrived:
             missing.append(r)
-    head = (f"ranks that have not arrived in {op} #{seq}: {missing}" if missing
-            else f"every rank of the group is waiting in {op} #{seq}")
+            peer = registry.read(store, r)
+            if peer is not None:
+                hosts.setdefault(peer.host, []).append(r)
+    on = "; ".join(f"host {h}: {', '.join(map(str, rs))}" for h, rs in hosts.items())
+    head = (f"ranks that have not arrived in {op} #{seq}: {missing}" + (f" ({on})" if on else "")
+            if missing else f"every rank of the group is waiting in {op} #{seq}")
     return head + "\n" + "\n".join(lines)
 
 
 def _describe(store: Any, rank: int, rec: dict | None, group: str, seq: int) -> tuple[str, bool]:
-    """(what `rank` is doing, whether it has arrived in the collective)."""
+    """("rank R on host H (process P): what it is doing", whether it has arrived)."""
+    peer = registry.read(store, rank)
+    who = _read(store, _key("who", rank))
+    if peer is None and who is not None:  # registered in this attempt, but no heartbeat record
+        peer = registry.Peer(rank, who["host"], int(who["pid"]), registry.attempt(), time.time())
     if rec is not None and rec.get("state") == "exited":
         last = rec.get("issued", {}).get(group)
         after = "" if last is None else f" after {last} call(s) on this group (this rank is at call #{seq})"
-        return f"exited{after}: its process group was shut down, it left the loop early", False
+        state = f"exited{after}: its process group was shut down, it left the loop early"
+        return registry.peer_line(peer, rank, time.time(), state), False
     if rec is not None and rec.get("group") == group and rec.get("seq") == seq:
-        return f"waiting in the same {rec['op']} #{seq} (called at {rec['site']})", True
+        state = f"waiting in the same {rec['op']} #{seq} (called at {rec['site']})"
+        return registry.peer_line(peer, rank, time.time(), state), True
     if rec is not None:
-        return (f"waiting in {rec['op']} #{rec['seq']} on group [{rec['group']}] "
-                f"(called at {rec['site']})"), False
-    who = _read(store, _key("who", rank))
-    if who is None or who.get("host") != socket.gethostname():
-        where = "" if who is None else f" (process {who['pid']} on {who['host']})"
-        return f"did not answer within {GRACE_S:.0f} s{where}: it died, or is in no collective", False
-    if _alive(int(who["pid"])):
-        return (f"did not answer within {GRACE_S:.0f} s; its process {who['pid']} is alive: it is "
-                "still computing, or waits outside any collective"), False
-    return f"its process {who['pid']} is gone: rank {rank} died (see its own output)", False
+        state = f"waiting in {rec['op']} #{rec['seq']} on group [{rec['group']}] (called at {rec['site']})"
+        return registry.peer_line(peer, rank, time.time(), state), False
+    if peer is None:
+        return registry.peer_line(None, rank, time.time(), f"did not answer within {GRACE_S:.0f} s: "
+                                  "it died, or is in no collective"), False
+    if peer.host != socket.gethostname():  # another host: its heartbeat and its survivors tell
+        state = registry.peer_state(peer, time.time())
+        if state == "still computing":
+            state += f" (no answer within {GRACE_S:.0f} s; or it waits outside any collective)"
+        return registry.peer_line(peer, rank, time.time(), state), False
+    if _alive(peer.pid):
+        return registry.peer_line(peer, rank, time.time(), f"still computing (no answer within "
+                                  f"{GRACE_S:.0f} s; or it waits outside any collective)"), False
+    if registry.was_stopped(store, rank):
+        return registry.peer_line(peer, rank, time.time(), "stopped by its launcher (SIGTERM)"), False
+    registry.post_dead(store, rank, peer.pid)
+    return registry.peer_line(peer, rank, time.time(), "died (its process is gone; see its own output)"), False
 
 
 def dead_peers(ranks: Iterable[int]) -> list[tuple[int, int]]:
@@ -173,6 +195,8 @@ def dead_peers(ranks: Iterable[int]) -> list[tuple[int, int]]:
     host, me, dead = socket.gethostname(), dist.get_rank(), []
     for rank in ranks:
         who = _read(store, _key("who", rank)) if rank != me else None
-        if who is not None and who.get("host") == host and not _alive(int(who["pid"])):
+        if (who is not None and who.get("host") == host and not _alive(int(who["pid"]))
+                and not registry.was_stopped(store, rank)):  # stopped by its launcher: not dead
             dead.append((rank, int(who["pid"])))
+            registry.post_dead(store, rank, int(who["pid"]))  # for the other hosts' reports
     return dead

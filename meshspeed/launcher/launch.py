@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import main as torchrun_main
 
@@ -46,7 +47,7 @@ from meshspeed.autotune.trial import TuneError, substitute
 from meshspeed.autotune.tuner import autotune
 from meshspeed.compat.install import write_shim
 from meshspeed.config import ConfigError
-from meshspeed.launcher import ds_launcher, elastic, multinode, remote_run, slurm_hosts
+from meshspeed.launcher import ds_launcher, elastic, multinode, remote_run, rounds, slurm_hosts
 from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError
 from meshspeed.launcher.remote_plan import RemoteJob
 
@@ -301,11 +302,15 @@ def main(args: argparse.Namespace) -> int:
         return remote_run.run(launch.remote)
     try:
         with _launch_environment(launch.env, compat=launch.compat):
-            torchrun_main(launch.argv)
+            torchrun_main(rounds.install(launch.argv))  # Note [the agents number the attempts]
     except ChildFailedError as failure:  # torchrun's own entry point exits 1 here too
         print(failure, file=sys.stderr)
         return 1
     except SignalException as signal_exc:  # the agent was told to stop; children are down
         return 128 + int(signal_exc.sigval)
+    except RendezvousTimeoutError as err:  # meshspeed's own (rounds) has printed its one line
+        if not str(err).startswith("meshspeed:"):
+            print(f"meshspeed run: the hosts did not meet: {err}", file=sys.stderr)
+        return 1
     return 0
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from meshspeed.comm import collectives, rollcall, sequence
+from meshspeed.comm import collectives, registry, rollcall, sequence
 from meshspeed.process.accelerator import Accelerator, get_accelerator
 from meshspeed.process.stopped import install_stop_report
 
@@ -132,12 +132,13 @@ def first_slurm_host(nodelist: str) -> str | None:
 # ... Connection refused"), ending the job at its first restart; on a busy 2-core machine
 # 4 restarts of 5 did with the static rendezvous, 1 of 4 with c10d (--standalone). So under the agent's
 # store, init_distributed connects to it itself and keeps each attempt's keys under
-# their own prefix (TORCHELASTIC_RESTART_COUNT).
+# their own prefix: the rendezvous round every host agrees on where `meshspeed run` exports
+# it, else torchrun's restart counter (Note [attempts every host agrees on] in comm/registry.py).
 def _attempt_store(env, timeout: datetime.timedelta):
     """The agent's store, under this attempt's prefix; None outside torchrun's agent store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.master_addr is None:
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = registry.attempt()
     store = dist.TCPStore(str(env.master_addr), int(env.master_port), env.world_size,
                           is_master=False, timeout=timeout)
     return dist.PrefixStore(f"meshspeed/attempt_{attempt}", store)

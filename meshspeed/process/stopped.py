@@ -8,7 +8,10 @@ killed before its own collective could fail and print the roll call (Note [roll 
 by default SIGTERM ends a Python process without a word, and rank 0's output says nothing
 of the dead peer. So under torchelastic, `init_distributed` installs a SIGTERM handler:
 rank 0 writes one line naming the ranks on its host whose processes are gone (from the
-pids the roll call posted at start) and where rank 0 was, then re-raises SIGTERM with the
+pids the roll call posted at start), or on another host (posted there by that host's
+ranks as they are stopped, and the heartbeat: Note [host registry and heartbeat] in
+comm/registry.py), or the host whose joining made the agent restart the workers (a join,
+not a death), and where rank 0 was, then re-raises SIGTERM with the
 default action, so the exit status (-15) and torchrun's restart are as before. The
 handler is Python's: it runs between bytecodes, so a rank inside a long C++ call reports
 when the call returns; a collective with a dead peer returns at once (the connection
@@ -17,15 +20,20 @@ closes), and torchrun sends SIGKILL to whatever has not exited after its grace p
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 from types import FrameType
 
 import torch.distributed as dist
 
-from meshspeed.comm import rollcall
+from meshspeed.comm import registry, rollcall
+
+REMOTE_WAIT_S = 4.0  # how long rank 0 waits for another host's dead to be posted, or its beats to stop
 
 _installed = False
 
@@ -50,28 +58,83 @@ def _where(frame: FrameType | None) -> str:
     return f"{outer} (inside {inner})"
 
 
-def stop_message(rank: int, world_size: int, where: str) -> str:
+def stop_message(rank: int, world_size: int, where: str, wait_s: float = REMOTE_WAIT_S) -> str:
     """The line rank 0 writes when stopped (Note [naming the dead rank when torchrun stops the job])."""
-    # torchrun numbers a node's ranks contiguously: only this node's can be seen to be gone,
-    # and a store read per rank of a large job would hold up the stop
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    first = rank - int(os.environ.get("LOCAL_RANK", "0"))
     try:
-        dead = rollcall.dead_peers(range(max(first, 0), min(first + local, world_size)))
+        cause = _cause(rank, world_size, wait_s)
     except Exception:  # noqa: BLE001 - best effort: the stop goes on regardless
-        dead = []
-    if dead:
-        names = ", ".join(f"rank {r} (process {pid})" for r, pid in dead)
-        cause = f"{names} died (see its own output and the launcher's report)"
-    else:
-        cause = "no rank on this host has died (another host's, or the job was stopped)"
+        cause = None
+    if cause is not None and cause.startswith("host"):  # a join, not a failure
+        return (f"meshspeed: rank {rank} stopped by the launcher (SIGTERM) at {where}: {cause}; "
+                "it resumes from its newest complete checkpoint under checkpoint.auto_resume")
+    cause = cause or ("no rank has died that this host can see (the job was stopped, or "
+                      "another host's rank died without a word)")
     return (f"meshspeed: rank {rank} stopped by the launcher (SIGTERM) at {where}: {cause}; "
             "with --max-restarts the launcher restarts the job, which resumes from its newest "
             "complete checkpoint under checkpoint.auto_resume")
 
 
+def _local_ranks(rank: int, world_size: int) -> range:
+    # torchrun numbers a node's ranks contiguously: only this node's processes can be seen
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    first = max(rank - int(os.environ.get("LOCAL_RANK", "0")), 0)
+    return range(first, min(first + local, world_size))
+
+
+def _cause(rank: int, world_size: int, wait_s: float) -> str | None:
+    """Why the launcher stops us: a host joined, ranks died (here, or on another host as its
+    ranks posted, or its agent came back without them), ranks are unreachable (their
+    heartbeat stopped: Note [host registry and heartbeat]), or None when nothing is known."""
+    store = registry.root_store()
+    joined = _read_list(store, registry.joining_key(registry.attempt()))
+    if joined:
+        return f"host {', '.join(joined)} joined; the job restarts at the new size"
+    local = _local_ranks(rank, world_size)
+    dead = dict(rollcall.dead_peers(local))
+    others = [r for r in range(world_size) if r not in local]
+    peers = {r: registry.read(store, r) for r in others}
+    returned = set(_read_list(store, registry.returned_key(registry.attempt())))
+    dead.update({r: -1 for r, p in peers.items() if p is not None and p.host in returned})
+    deadline = time.monotonic() + wait_s
+    while others and not dead:  # another host's ranks post its dead while stopping too
+        dead.update({r: -1 for r in registry.posted_dead(store, others)})
+        now = time.time()
+        if dead or time.monotonic() > deadline or any(
+                registry.peer_state(p, now) != "still computing" for p in peers.values() if p):
+            break
+        time.sleep(0.2)
+        peers = {r: registry.read(store, r) for r in others}
+    now = time.time()
+    here = {r: registry.Peer(r, socket.gethostname(), pid, registry.attempt(), now)
+            for r, pid in dead.items() if pid >= 0}
+    lines = []
+    for r in sorted(dead):
+        peer = peers.get(r) or here.get(r)
+        came_back = peer is not None and peer.host in returned
+        state = f"died (host {peer.host} came back without it)" if came_back else "died"
+        lines.append(registry.peer_line(peer, r, now, state))
+    lines += [registry.peer_line(p, r, now) for r, p in peers.items()
+              if p is not None and r not in dead and registry.peer_state(p, now) != "still computing"]
+    if not lines:
+        return None
+    return ", ".join(lines) + " (see its own output and the launcher's report)"
+
+
+def _read_list(store, key: str) -> list[str]:
+    try:
+        if store is not None and store.check([key]):
+            return list(json.loads(store.get(key)))
+    except Exception:  # noqa: BLE001, S110 - best effort
+        pass
+    return []
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     try:
+        if dist.is_initialized():  # a sibling gone after this is stopped, not dead
+            registry.post_stopped(None, dist.get_rank())
+        if dist.is_initialized() and dist.get_rank() != 0:  # post this host's dead for rank 0
+            rollcall.dead_peers(_local_ranks(dist.get_rank(), dist.get_world_size()))
         if dist.is_initialized() and dist.get_rank() == 0:
             sys.stderr.write(stop_message(0, dist.get_world_size(), _where(frame)) + "\n")
             sys.stderr.flush()

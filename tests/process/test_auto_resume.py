@@ -57,8 +57,8 @@ def test_a_killed_rank_restarts_and_the_job_ends_as_if_never_interrupted(tmp_pat
     # SIGTERM report says so (Note [naming the dead rank when torchrun stops the job])
     # (where rank 0 was may be inside a library the script called, e.g. json's encoder)
     stopped = re.search(r"^meshspeed: rank 0 stopped by the launcher \(SIGTERM\) at \S+:\d+ "
-                        r".*: rank 1 \(process \d+\) died", out, re.MULTILINE)
-    failed = re.search(r"PeerLostError: rank 0: .*\n(.*\n)*?.*rank 1: its process \d+ is gone: rank 1 died", out)
+                        r".*: rank 1 on host \S+ \(process \d+\): died", out, re.MULTILINE)
+    failed = re.search(r"PeerLostError: rank 0: .*\n(.*\n)*?.*rank 1 on host \S+ \(process \d+\): died", out)
     assert stopped or failed, out[-4000:]
 
     # attempt 0 ran up to the killed step; attempt 1 started at the last checkpoint before it
