@@ -5,15 +5,14 @@
 torchrun's default rendezvous (static) needs all MAX nodes, so this form waited forever
 without a message. Here MIN < MAX turns --master_addr/--master_port into the c10d
 rendezvous at that address (`--rdzv-backend c10d --rdzv-endpoint A:P --rdzv-id ...`),
-and every agent gets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which growing
-deadlocks (Note [c10d rendezvous across hosts] in remote_plan.py). DeepSpeed's
+and `meshspeed run`'s rendezvous wrapper keeps torch 2.13's agents from deadlocking when
+a host joins (Note [the bootstrap store of a joining host] in rounds.py). DeepSpeed's
 --min_elastic_nodes / --max_elastic_nodes mean --nnodes MIN:MAX.
 """
 
 from __future__ import annotations
 
 from meshspeed.launcher.ds_launcher import DEFAULT_PORT, LaunchError
-from meshspeed.launcher.remote_plan import RDZV_ENV
 
 DEFAULT_RDZV_ID = "meshspeed"  # the same on every node started by hand (torchrun's is "none")
 
@@ -62,16 +61,22 @@ def deepspeed_range(min_nodes: int | None, max_nodes: int | None, hosts: int | N
     return f"{min_nodes if min_nodes is not None else 1}:{high}"
 
 
-def local_form(tokens: list[str], master_addr: str | None, master_port: int | None) -> tuple[list[str], dict[str, str]]:
-    """This node's torchrun options for `--nnodes MIN:MAX` (in `tokens`), and the
-    environment its agent needs. Tokens without an elastic --nnodes come back unchanged."""
+def is_elastic(tokens: list[str]) -> bool:
+    """Whether `tokens` ask for --nnodes MIN:MAX with MIN < MAX."""
+    span = nnodes_range(take_option(tokens, ("--nnodes",))[0])
+    return span is not None and span[0] != span[1]
+
+
+def local_form(tokens: list[str], master_addr: str | None, master_port: int | None) -> list[str]:
+    """This node's torchrun options for `--nnodes MIN:MAX` (in `tokens`). Tokens without an
+    elastic --nnodes, or with a rendezvous the user chose, come back unchanged."""
     spec, _ = take_option(tokens, ("--nnodes",))
     span = nnodes_range(spec)
-    if span is None or span[0] == span[1]:
-        return tokens, {}
+    if not is_elastic(tokens):
+        return tokens
     backend, _ = take_option(tokens, ("--rdzv-backend", "--rdzv_backend"))
     if backend not in (None, "static") or "--standalone" in tokens:
-        return tokens, dict(RDZV_ENV)  # the user chose a rendezvous; it only needs the variable
+        return tokens
     if backend == "static":
         raise LaunchError(f"--nnodes {spec} cannot work with --rdzv-backend static, which waits for all "
                           f"{span[1]} nodes; leave --rdzv-backend out (meshspeed then uses c10d)")
@@ -81,4 +86,4 @@ def local_form(tokens: list[str], master_addr: str | None, master_port: int | No
     rdzv_id, _ = take_option(tokens, ("--rdzv-id", "--rdzv_id"))
     out = [*tokens, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr}:{master_port or DEFAULT_PORT}"]
     out += [] if rdzv_id is not None else ["--rdzv-id", DEFAULT_RDZV_ID]
-    return out, dict(RDZV_ENV)
+    return out

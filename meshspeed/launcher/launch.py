@@ -221,10 +221,9 @@ def launch_plan(args: argparse.Namespace, *, device_count: int | None = None,
         # DeepSpeed also pins each rank to its share of the cores (numactl); torchrun does
         # not, so only the thread count follows the split
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
-    rest, elastic_env = elastic.local_form(rest, ns.master_addr, ns.master_port)
-    if "--rdzv-endpoint" in rest and elastic_env:  # c10d at --master_addr: torchrun's own go unused
+    rest = elastic.local_form(rest, ns.master_addr, ns.master_port)
+    if "--rdzv-endpoint" in rest and elastic.is_elastic(rest):  # c10d: torchrun's own go unused
         opts = elastic.take_option(elastic.take_option(opts, ("--master-addr",))[1], ("--master-port",))[1]
-    env.update(elastic_env)
     if ns.deepspeed_compat:
         target, rest = _compat_target(target, rest, parsed, ns.no_local_rank)
     return Launch(["--nproc-per-node", str(nproc), *opts, *rest, *target], env, ns.deepspeed_compat)

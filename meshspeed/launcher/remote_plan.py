@@ -33,10 +33,11 @@ PREFIX_TEMPLATE = "[{host} r${{rank}}] "  # torchrun fills ${rank} (the global r
 # the old round's info: it publishes nothing, and the newcomer waits on
 # `store.get("MASTER_ADDR")` in the new round until DistStoreError ends it; or the
 # newcomer is rank 0, serves a new store, and the old agents send their workers to the old
-# one. Either way the job deadlocks. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes every
-# round publish a fresh address and port from its rank 0, so meshspeed sets it for every
-# agent it starts on several hosts, and for `--nnodes MIN:MAX` (elastic.py).
-RDZV_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# one. Either way the job deadlocks. Every host runs `meshspeed run`, whose rendezvous
+# wrapper has each round's rank 0 post the store's address and every other agent take it
+# (Note [the bootstrap store of a joining host] in rounds.py), rather than setting
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: that gives each attempt a store of its own, hosted by
+# worker rank 0 and lost with it, and the host registry must outlive an attempt.
 
 
 @dataclass
@@ -80,7 +81,7 @@ def node_argv(job: RemoteJob, host: str) -> list[str]:
 def node_env(job: RemoteJob, host: str, label: str | None = None) -> dict[str, str]:
     """The environment one host's `meshspeed run` gets on top of its own; `label` names the
     host in its output lines (default: the host's name)."""
-    return {**job.exports, **RDZV_ENV, **job.host_env.get(host, {}),
+    return {**job.exports, **job.host_env.get(host, {}),
             "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": PREFIX_TEMPLATE.format(host=label or host)}
 
 

@@ -29,7 +29,13 @@ Note [the bootstrap store of a joining host]
 torch 2.13 shares the rank-0 agent's TCP store with the workers, and publishes its address
 in a round's store only when that agent first makes it: a host joining a later round (a
 relaunched host, or growing) waits for an address nobody posts, and fails
-("DistStoreError ... MASTER_ADDR"). The wrapper's rank-0 agent posts it in every round.
+("DistStoreError ... MASTER_ADDR"). And when the round's rank 0 is new to the job (ranks
+follow the sorted host names, so a relaunched host can be rank 0), it serves a new store
+while the others, having cached the old one, send their workers there: the job deadlocks.
+The wrapper's rank-0 agent posts the address in every round, and every other agent takes
+the posted one. So meshspeed keeps torch's shared store (the host registry lives in it and
+must outlive an attempt) rather than TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which would give
+each attempt a store of its own, hosted by worker rank 0 and lost with it.
 """
 
 from __future__ import annotations
@@ -155,6 +161,7 @@ class RoundHandler(RendezvousHandler):
             bound = bound_s(self._comms_timeout, self._params)
         info = self._join(bound)
         self._attempt = self._agree(info)
+        info = self._workers_store_of_the_round(info)
         self._arrivals_seen = int(self._store.add(_ARRIVALS, 0))
         os.environ[registry.ROUND_VAR] = str(self._attempt)  # Note [the agents number the attempts]
         self._workers = self._connect(info)
@@ -216,6 +223,19 @@ class RoundHandler(RendezvousHandler):
             info.store.set(_ATTEMPT, str(number))
             return number
         return int(info.store.get(_ATTEMPT))
+
+    def _workers_store_of_the_round(self, info: RendezvousInfo) -> RendezvousInfo:
+        """`info` with the workers' store that this round's rank 0 posted (Note [the
+        bootstrap store of a joining host]): an agent that cached an earlier round's store
+        follows a rank 0 that is new to the job and serves a store of its own."""
+        if info.rank == 0 or not self._inner.use_agent_store:
+            return info
+        addr = info.store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
+        port = int(info.store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
+        boot = info.bootstrap_store_info
+        if boot is not None and (boot.master_addr, int(boot.master_port)) == (addr, port):
+            return info
+        return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(addr, port))
 
     def _join(self, bound: float | None) -> RendezvousInfo:
         """The inner next_rendezvous, given up after `bound` seconds with a message naming

@@ -23,7 +23,7 @@ TOL = 1e-5  # Note in test_elastic.py: why not bit-equal
 def agent_argv(endpoint: str, run_id: str, nproc: int, out_dir: Path, ckpt_dir: Path,
                event: str, is_host: bool | None = None, stage: int = 2) -> list[str]:
     """One host's `meshspeed run --nnodes 1:2 --master_addr A`, the documented form: meshspeed
-    makes it the c10d rendezvous at A and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    makes it the c10d rendezvous at A (meshspeed's wrapper: Note [the bootstrap store of a joining host]).
     last_call_timeout: a lone first host starts after 3 s, not torch's 30. `is_host`: this
     agent keeps the rendezvous's store (or not); by default, the agent on the endpoint's
     address. On one machine every agent is on it, and the first to start would keep it."""
@@ -36,8 +36,8 @@ def agent_argv(endpoint: str, run_id: str, nproc: int, out_dir: Path, ckpt_dir: 
 
 
 def agent_env(victim: bool = False) -> dict[str, str]:
-    # no TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: `meshspeed run` must set it (a grow
-    # deadlocks without it: docs/multinode_elastic.md)
+    # no TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: `meshspeed run` must make growing work
+    # without it (docs/multinode.md, "Elastic")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     if victim:

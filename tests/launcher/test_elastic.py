@@ -1,5 +1,5 @@
 """`meshspeed run --nnodes MIN:MAX`: the documented form becomes torchrun's c10d rendezvous,
-with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (Note [c10d rendezvous across hosts]). Pure."""
+with no variable to set (Note [the bootstrap store of a joining host]). Pure."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from meshspeed.launcher.ds_launcher import LaunchError
 from meshspeed.launcher.elastic import local_form, nnodes_range, take_option
 from tests.launcher.test_launch import parse
 
-SHARE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+SHARE: dict[str, str] = {}  # the agents need no variable: rounds.py fixes what TORCH_DISABLE_SHARE_RDZV_TCP_STORE would
 
 
 def plan(argv):
@@ -41,9 +41,9 @@ def test_the_documented_form_uses_c10d_at_the_master():
 
 def test_a_chosen_rendezvous_is_kept_and_fixed_sizes_are_untouched():
     tokens = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"]
-    assert local_form(tokens, None, None) == (tokens, SHARE)
-    assert local_form(["--nnodes", "1:2", "--standalone"], None, None)[1] == SHARE
-    assert local_form(["--nnodes", "2"], "h", None) == (["--nnodes", "2"], {})
+    assert local_form(tokens, None, None) == tokens
+    assert local_form(["--nnodes", "1:2", "--standalone"], None, None) == ["--nnodes", "1:2", "--standalone"]
+    assert local_form(["--nnodes", "2"], "h", None) == ["--nnodes", "2"]
     assert plan(["--nnodes", "2", "--node_rank", "0", "--master_addr", "h", "t.py"]).env == {}
 
 

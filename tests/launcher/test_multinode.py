@@ -48,7 +48,7 @@ def test_ssh_is_the_default_and_each_host_runs_its_share(hostfile, tmp_path):
     words = shlex.split(ssh[-1])
     assert words[:4] == ["cd", str(tmp_path), "&&", "exec"]
     env_part = words[5:words.index(sys.executable)]
-    assert env_part == ["NCCL_DEBUG=WARN", "PYTHONPATH=/src", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+    assert env_part == ["NCCL_DEBUG=WARN", "PYTHONPATH=/src",
                         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=[node1 r${rank}] "]
     guard = words[words.index(sys.executable):words.index("--")]
     assert guard == [sys.executable, "-u", "-m", "meshspeed.launcher.guard", "--host", "node1"]
