@@ -17,7 +17,7 @@ In that mode `import deepspeed` is meshspeed in the launched processes (Note [th
 alias] in meshspeed/compat/alias.py) and each process gets DeepSpeed's ``--local_rank=N``
 argument (meshspeed/compat/child.py; ``--no_local_rank`` leaves it out).
 
-Several hosts start from one command (docs/multinode_launch.md)::
+Several hosts start from one command (docs/multinode.md)::
 
     meshspeed run --hostfile hostfile [--launcher ssh|pdsh|openmpi|slurm] train.py
 
@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("Every other torchrun option (--nnodes, --rdzv-*, --max-restarts, ...) is "
                      "passed through; see `python -m torch.distributed.run --help`. The deepspeed "
                      "launcher's options are understood; with a hostfile of several hosts every "
-                     "host is started (docs/multinode_launch.md).")
+                     "host is started (docs/multinode.md).")
     parser.add_argument("--nproc-per-node", "--nproc_per_node", default=None,
                         help="processes per node: an integer, or torchrun's gpu/cpu/auto "
                              "(default: number of CUDA devices, else 1)")
