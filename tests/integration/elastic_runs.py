@@ -65,6 +65,15 @@ def tail(logs: list[Path], n: int = 3000) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-n:]}" for p in logs if p.exists())
 
 
+def finish(proc: subprocess.Popen, logs: list[Path], timeout: float) -> None:
+    """The job ends well within `timeout` seconds, with status 0."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the job did not finish in {timeout} s:\n" + tail(logs)) from None
+    assert rc == 0, tail(logs)
+
+
 def stop(procs: list[subprocess.Popen]) -> None:
     """Bounded clean-up: SIGTERM each agent's process group (the agent stops its workers),
     then SIGKILL what is left."""

@@ -29,7 +29,14 @@ import pytest
 
 from meshspeed.testing.harness import run_distributed
 from tests.integration import elastic_runs, elastic_script
-from tests.integration.elastic_runs import agent_argv, agent_env, attempts, stop, tail, wait_for
+from tests.integration.elastic_runs import (
+    agent_argv,
+    agent_env,
+    attempts,
+    finish,
+    stop,
+    wait_for,
+)
 
 STAGE = 3  # parameters sharded too (test_elastic_hosts.py runs ZeRO-2)
 
@@ -60,14 +67,6 @@ def _start(tmp_path: Path, name: str, endpoint: str, event: str, victim: bool = 
     return proc, log
 
 
-def _finish(proc: subprocess.Popen, logs: list[Path]) -> None:
-    try:
-        rc = proc.wait(timeout=150)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the job did not finish in 150 s:\n" + tail(logs)) from None
-    assert rc == 0, tail(logs)
-
-
 def test_a_host_that_never_returns_shrinks_the_job(tmp_path, reference):
     endpoint = f"127.0.0.1:{_free_port()}"
     a, a_log = _start(tmp_path, "agent_a", endpoint, "shrink")
@@ -79,7 +78,7 @@ def test_a_host_that_never_returns_shrinks_the_job(tmp_path, reference):
         os.killpg(b.pid, signal.SIGKILL)  # the host dies: its agent and its rank
         os.kill(pid, signal.SIGKILL)
         b.wait(timeout=10)
-        _finish(a, logs)
+        finish(a, logs, 150)
     finally:
         stop([a, b])
     runs = attempts(tmp_path / "log.txt")
@@ -101,8 +100,8 @@ def test_a_host_that_joins_grows_the_job(tmp_path, reference):
         b, b_log = _start(tmp_path, "agent_b", endpoint, "grow")
         procs.append(b)
         logs.append(b_log)
-        _finish(a, logs)
-        _finish(b, logs)
+        finish(a, logs, 150)
+        finish(b, logs, 150)
     finally:
         stop(procs)
     runs = attempts(tmp_path / "log.txt")

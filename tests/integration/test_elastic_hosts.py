@@ -17,7 +17,14 @@ import pytest
 from meshspeed.testing.harness import run_distributed
 from meshspeed.testing.netns import Cluster, namespaces_available
 from tests.integration import elastic_runs, elastic_script
-from tests.integration.elastic_runs import agent_argv, agent_env, attempts, stop, tail, wait_for
+from tests.integration.elastic_runs import (
+    agent_argv,
+    agent_env,
+    attempts,
+    finish,
+    stop,
+    wait_for,
+)
 
 ok, reason = namespaces_available()
 pytestmark = pytest.mark.skipif(not ok, reason=reason)
@@ -42,14 +49,6 @@ def _start(cluster: Cluster, host, event: str, victim: bool = False):
     return proc, log
 
 
-def _finish(proc: subprocess.Popen, logs: list[Path]) -> None:
-    try:
-        rc = proc.wait(timeout=180)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the job did not finish in 180 s:\n" + tail(logs)) from None
-    assert rc == 0, tail(logs)
-
-
 def test_a_host_that_never_returns_shrinks_the_job_to_the_other_host(tmp_path, reference):
     with Cluster(tmp_path, hosts=2) as cluster:
         h0, h1 = cluster.hosts
@@ -59,7 +58,7 @@ def test_a_host_that_never_returns_shrinks_the_job_to_the_other_host(tmp_path, r
         try:
             wait_for(cluster.shared_path, "victim", 2, [a, b], logs)  # node1's 2 ranks
             h1.kill()  # node1 dies with every process on it, and is never booted again
-            _finish(a, logs)
+            finish(a, logs, 180)
         finally:
             stop([a, b])
         out = cluster.shared_path
@@ -79,8 +78,8 @@ def test_a_host_that_joins_grows_the_job_to_both_hosts(tmp_path, reference):
             b, b_log = _start(cluster, h1, "grow")
             procs.append(b)
             logs.append(b_log)
-            _finish(a, logs)
-            _finish(b, logs)
+            finish(a, logs, 180)
+            finish(b, logs, 180)
         finally:
             stop(procs)
         out = cluster.shared_path

@@ -18,6 +18,13 @@ SAMPLES = 24  # 12 per rank, micro-batch 1, accumulation 2: 6 steps per epoch, s
 
 
 def train(out_dir: str, kill_at: int) -> None:
+    run(out_dir, kill_at, total=TOTAL, every=EVERY, samples=SAMPLES, killer=1, comms_timeout=300)
+
+
+def run(out_dir: str, kill_at: int, *, total: int, every: int, samples: int, killer: int,
+        comms_timeout: float, after_step=None) -> None:
+    """The training loop of this script and of hosts_script.py: rank `killer` kills itself
+    (SIGKILL) mid-step `kill_at` once; `after_step(engine, attempt)` runs after each step."""
     import meshspeed
     from meshspeed.data import RepeatingLoader
     from meshspeed.models.gpt import GPT
@@ -26,35 +33,38 @@ def train(out_dir: str, kill_at: int) -> None:
     meshspeed.init_distributed()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # the agents' number under meshspeed run's c10d rendezvous, else torchrun's counter
+    attempt = os.environ.get("MESHSPEED_RDZV_ROUND", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     data = torch.utils.data.TensorDataset(
-        torch.randint(0, TINY.vocab_size, (SAMPLES, TINY.max_seq_len + 1),
+        torch.randint(0, TINY.vocab_size, (samples, TINY.max_seq_len + 1),
                       generator=torch.Generator().manual_seed(5)))
     torch.manual_seed(0)
     model = GPT(TINY)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 1}, "comms_timeout": 300,
+              "zero_optimization": {"stage": 1}, "comms_timeout": comms_timeout,
               "checkpoint": {"auto_resume": True, "dir": os.path.join(out_dir, "ckpt")}}
     engine, _, loader, _ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 config=config, training_data=data)
     batches = iter(RepeatingLoader(loader))
     log = open(os.path.join(out_dir, f"log-rank{rank}.txt"), "a")  # noqa: SIM115 - one per process
-    while engine.global_steps < TOTAL:
+    while engine.global_steps < total:
         step = engine.global_steps
         for micro in range(engine.gradient_accumulation_steps()):
             (tokens,) = next(batches)
             loss = engine(tokens[:, :-1], tokens[:, 1:])
             marker = os.path.join(out_dir, "killed")
-            if rank == 1 and step == kill_at and micro == 1 and not os.path.exists(marker):
+            if rank == killer and step == kill_at and micro == 1 and not os.path.exists(marker):
                 open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)  # mid-step: rank 0 waits in a collective
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the others wait in a collective
             engine.backward(loss)
             engine.step()
         log.write(f"attempt {attempt} step {step} loss {loss.item()!r}\n")
         log.flush()
-        if engine.global_steps % EVERY == 0:
+        if engine.global_steps % every == 0:
             engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+        if after_step is not None:
+            after_step(engine, attempt)
     if rank == 0:
         torch.save({k: v.clone() for k, v in engine.module.state_dict().items()},
                    os.path.join(out_dir, "final.pt"))
