@@ -76,7 +76,13 @@ def fakes(tmp_path, monkeypatch):
         path.write_text(FAKE.format(python=sys.executable))
         path.chmod(0o755)
     (tmp_path / "train.py").write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))}
+    # the launched ranks learn who they are from the fakes' OMPI_* / SLURM_* alone: variables
+    # an earlier in-process test left behind (init_distributed fills RANK, MASTER_PORT, ...)
+    # would take precedence (detect_launch_env) and make every rank rank 0
+    leftovers = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "MESHSPEED_RDZV_ROUND")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "TORCHELASTIC_")) and k not in leftovers}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_RECORD=str(tmp_path / "argv.json"),
                OMP_NUM_THREADS="1", MESHSPEED_TEST_MARK="1")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
