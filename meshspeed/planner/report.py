@@ -102,8 +102,8 @@ def _infinity_lines(e: Mapping[str, Any]) -> list[str]:
     items = ", ".join(f"{k.replace('_', ' ')} {format_gb(v)}{' (device)' if k in device else ''}"
                       for k, v in buffers.items() if k != "total")
     acts = f" + activations {format_gb(e['activations'])}" if e["activations"] else ""
-    out = [f"in memory with everything on NVMe (stage {e['stage']}): "
-           f"{format_gb(in_memory_bytes(e))} (on device + on host) = {items}{acts}"]
+    out = [(f"in memory with everything on NVMe (stage {e['stage']}): "
+           f"{format_gb(in_memory_bytes(e))} (on device + on host) = {items}{acts}")]
     shape = e.get("assumed_shape")
     if shape:
         out.append(
