@@ -145,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
             payload = [estimate_memory(num_params, args.dp, s, **kwargs) for s in stages]
             text = format_report(payload)
             for est in payload:
-                line = _host_memory(est, shape, args)
+                line = _host_memory(est, kwargs, args)
                 if line:
                     text += "\n" + line
     except ValueError as err:
@@ -155,10 +155,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _host_memory(est: dict, shape: ModelShape | None, args: argparse.Namespace) -> str | None:
-    """The host-memory verdict for a ZeRO-Infinity estimate (Note [the knob that fits] in
+def _host_memory(est: dict, kwargs: dict, args: argparse.Namespace) -> str | None:
+    """The host-memory verdict for an estimate that offloads (Note [the knob that fits] in
     meshspeed/planner/fit.py), stored in the estimate as "host_memory"; None otherwise."""
-    if "offload_buffers" not in est["detail"]:
+    if est["offload_optimizer"] is None and est["offload_param"] is None:
         return None
     if args.ranks_per_host < 1:
         raise ValueError(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
@@ -168,16 +168,8 @@ def _host_memory(est: dict, shape: ModelShape | None, args: argparse.Namespace) 
     if available is None:
         return "host memory: not checked (no MemAvailable in /proc/meminfo; pass --host-memory)"
     on_cpu = (args.device or _detect_device()) == "cpu"
-    settings = {"sub_group_size": int(args.sub_group_size),
-                "optimizer_buffer_count": args.optimizer_buffer_count,
-                "param_buffer_count": args.param_buffer_count,
-                "param_buffer_size": int(args.param_buffer_size),
-                "max_live_parameters": int(args.max_live_parameters),
-                "prefetch_bucket_size": int(args.prefetch_bucket_size)}
-    verdict = fit(shape if shape is not None else ModelShape(**est["assumed_shape"]), available,
-                  dp=est["dp"], param_bytes=args.param_bytes, comm_bytes=args.comm_bytes or 4,
-                  activations=est["activations"], on_cpu=on_cpu, ranks=args.ranks_per_host,
-                  **settings)
+    verdict = fit(est["num_params"], est["dp"], est["stage"], available, on_cpu=on_cpu,
+                  ranks=args.ranks_per_host, **kwargs)
     est["host_memory"] = {"need": verdict.need, "available": verdict.available,
                           "source": source, "on_cpu": on_cpu, "fits": verdict.fits,
                           "changes": verdict.changes, "need_after": verdict.need_after}

@@ -89,18 +89,18 @@ def estimate_memory(
     "model_states" are the paper's quantities wherever they live. "activations" is 0 when no
     model_shape is given (the memory is then not estimated, not zero). "comm_buffers" are the
     gradient buckets and, at stage 3, the gathered working parameters. "offload_buffers" are
-    the host buffers of ZeRO-Infinity (below; 0 otherwise). "total" is model_states +
+    the host buffers of an NVMe optimizer (below; 0 otherwise). "total" is model_states +
     activations + comm_buffers + offload_buffers over all tiers; "tiers" splits it into
     "device" (what must fit on the accelerator), "host" and "nvme", and they sum to "total".
     "placement" maps each model state to its tier and "detail" itemises activations and
-    buffers. Not counted anywhere: CUDA context, allocator fragmentation, temporaries; with
-    only the optimizer on NVMe, its swap buffers (see `not_counted`).
+    buffers. "not_counted" lists what is counted nowhere (CUDA context, allocator
+    fragmentation, temporaries, ...).
 
     offload_optimizer ("cpu" | "nvme", stage >= 1) moves optimizer states, and from stage 2
     the gradient shard the optimizer consumes, off the device, in fp32 (4 bytes): in host
     memory for "cpu" (Note [one gradient copy between steps] in meshspeed/offload/placement.py),
-    in files for "nvme" (Note [gradients in their NVMe slot]). offload_param ("cpu" | "nvme", stage 3 only) moves parameter shards off
-    the device; the device then holds only gathered working parameters. The allgather bucket
+    in files for "nvme" (Note [gradients in their NVMe slot]), next to the fp32 masters.
+    offload_param ("cpu" | "nvme", stage 3 only) moves parameter shards off the device; the device then holds only gathered working parameters. The allgather bucket
     is used after backward, when activations are freed, so it does not add to the peak and
     is accepted for symmetry with ZeRO configs only.
 
@@ -110,16 +110,17 @@ def estimate_memory(
     per rank, model states = K' x ceil((split/tp + replicated) / dp) for a sharded state.
     "num_params_per_tp_rank" is the count ZeRO works on.
 
-    ZeRO-Infinity (stage 3, both offloads "nvme"): every model state is on NVMe, gradients
-    included, and "detail"["offload_buffers"] itemises the bounded buffers that stay in
-    memory; without a model_shape they are sized for `assumed_shape(num_params)` (Note [a
-    shape from the parameter count]), returned as "assumed_shape", and activations are not
-    estimated (meshspeed/planner/offload.py, Note [what an
-    everything-on-NVMe rank holds]) from `sub_group_size`, `optimizer_buffer_count`
-    (offload_optimizer.buffer_count), `param_buffer_count` / `param_buffer_size`
-    (offload_param's) and the stage-3 live-parameter limits. The swap buffers, the fp32
-    gradient copy and the writes in flight are "host" ("offload_buffers"); gradient staging
-    and gathered parameters are "comm_buffers" on the device.
+    With offload_optimizer "nvme" (and tp 1), "detail"["offload_buffers"] itemises the
+    bounded buffers that stand in for the swapped state (meshspeed/planner/offload.py,
+    Note [what an everything-on-NVMe rank holds]), from `sub_group_size`,
+    `optimizer_buffer_count` (offload_optimizer.buffer_count) and, with offload_param
+    "nvme" too (ZeRO-Infinity: every model state on NVMe), `param_buffer_count` /
+    `param_buffer_size` (offload_param's) and the stage-3 live-parameter limits. The swap
+    buffers, the fp32 gradient copy and the writes in flight are host memory
+    ("offload_buffers"); ZeRO-Infinity's gradient staging and gathered parameters are
+    "comm_buffers" on the device. Without a model_shape the buffers are sized for
+    `assumed_shape(num_params)` (Note [a shape from the parameter count]), returned as
+    "assumed_shape"; activations are then not estimated.
     """
     del allgather_bucket_size  # Note in the docstring: not live at the activation peak.
     _check(num_params, dp, stage, offload_optimizer, offload_param)
@@ -137,7 +138,6 @@ def estimate_memory(
         name: math.ceil((shard if name in SHARDED[stage] else psi) * nbytes)
         for name, nbytes in per_param.items()
     }
-    infinity = stage == 3 and offload_optimizer == "nvme" and offload_param == "nvme"
     placement = {
         "params": _TIER[offload_param],
         # NVMe optimizer offload writes the gradients to files (offload/grad_files.py)
@@ -167,17 +167,23 @@ def estimate_memory(
             psi, param_bytes, max_live_parameters, prefetch_bucket_size, model_shape
         )
     buffers = assumed = None
-    if infinity:  # Note [what an everything-on-NVMe rank holds]
-        if tp != 1:
-            raise ValueError("the ZeRO-Infinity buffer estimate assumes tp 1")
+    infinity = stage == 3 and offload_optimizer == "nvme" and offload_param == "nvme"
+    if infinity and tp != 1:
+        raise ValueError("the ZeRO-Infinity buffer estimate assumes tp 1")
+    if offload_optimizer == "nvme" and tp == 1:  # Note [what an everything-on-NVMe rank holds]
         if model_shape is None:  # Note [a shape from the parameter count]
             assumed = assumed_shape(total_psi)
         buffers = nvme_host_buffers(
-            model_shape if assumed is None else assumed, dp=dp, param_bytes=param_bytes, comm_bytes=comm_dtype_bytes or FP32,
-            sub_group_size=sub_group_size, optimizer_buffer_count=optimizer_buffer_count,
-            param_buffer_count=param_buffer_count, param_buffer_size=param_buffer_size,
-            max_live_parameters=max_live_parameters, prefetch_bucket_size=prefetch_bucket_size)
-        comm = {"reduce_buckets": buffers["gradient_staging"], "gathered_params": buffers["gathered_params"]}
+            model_shape if assumed is None else assumed, dp=dp, param_bytes=param_bytes,
+            comm_bytes=comm_dtype_bytes or FP32, sub_group_size=sub_group_size,
+            optimizer_buffer_count=optimizer_buffer_count, param_buffer_count=param_buffer_count,
+            param_buffer_size=param_buffer_size, max_live_parameters=max_live_parameters,
+            prefetch_bucket_size=prefetch_bucket_size)
+        if infinity:
+            comm = {"reduce_buckets": buffers["gradient_staging"],
+                    "gathered_params": buffers["gathered_params"]}
+        else:  # shards stay put and ZeRO's usual buffers move gradients: only the optimizer's
+            buffers = _optimizer_only(buffers)
     comm["total"] = comm["reduce_buckets"] + comm["gathered_params"]
 
     model_states = sum(states.values())
@@ -206,19 +212,26 @@ def estimate_memory(
         "detail": {"activations": acts, "comm_buffers": comm,
                    **({"offload_buffers": buffers} if buffers is not None else {})},
         **({"assumed_shape": dataclasses.asdict(assumed)} if assumed is not None else {}),
-        "not_counted": not_counted(offload_optimizer, offload_param, stage),
+        "not_counted": not_counted(offload_optimizer, offload_param, itemised=buffers is not None),
     }
 
 
-def not_counted(offload_optimizer: str | None, offload_param: str | None, stage: int) -> list[str]:
+def _optimizer_only(buffers: dict[str, int]) -> dict[str, int]:
+    """The host buffers of an NVMe optimizer whose parameters are not in files."""
+    out = {k: buffers[k] for k in ("optimizer_swap_buffers", "unit_gradient", "writes_in_flight")}
+    return out | {"total": sum(out.values())}
+
+
+def not_counted(offload_optimizer: str | None, offload_param: str | None,
+                itemised: bool = True) -> list[str]:
     """What an estimate with these offload settings leaves out, for its footer."""
     out = ["CUDA context", "allocator fragmentation", "temporaries"]
     if offload_optimizer is not None or offload_param is not None:
         out.append("the Python interpreter and torch in host memory (about 0.25 GiB a process)")
-    if offload_optimizer == "nvme" and not (stage == 3 and offload_param == "nvme"):
+    if offload_optimizer == "nvme" and not itemised:
         out.append("the NVMe optimizer's swap buffers (offload_optimizer.buffer_count x "
-                   "sub_group_size x 4 bytes) and up to 0.54 GB of writes in flight: itemised only "
-                   "with offload_param on NVMe too, at stage 3")
+                   "sub_group_size x 4 bytes) and up to 0.54 GB of writes in flight: itemised "
+                   "only at tp 1")
     return out
 
 

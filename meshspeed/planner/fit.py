@@ -1,14 +1,15 @@
-"""Does a ZeRO-Infinity rank fit the host's memory, and if not, which setting makes it fit.
+"""Does an offloading rank fit the host's memory, and if not, which setting makes it fit.
 
 Note [the knob that fits]
-With everything on NVMe (meshspeed/planner/offload.py, Note [what an everything-on-NVMe
-rank holds]) memory holds buffers whose sizes are settings, not the model. With the
-defaults (DeepSpeed's) they are large: `sub_group_size` 1e9 makes the optimizer swap pool
-buffer_count x 4 GB. When the buffers, plus the activations when the devices are CPUs,
-plus about 0.25 GiB of interpreter and torch, times the ranks on the host, exceed what the
-host has, `fit` names the settings to lower and the largest round value (1, 2 or 5 x 10^k)
-of each that fits, trying one setting alone first (the one whose buffer shrinks most),
-then more together. A setting is never lowered below the point where its buffer stops
+With the optimizer on NVMe, and most of all with everything there (meshspeed/planner/
+offload.py, Note [what an everything-on-NVMe rank holds]), memory holds buffers whose
+sizes are settings, not the model. With the defaults (DeepSpeed's) they are large:
+`sub_group_size` 1e9 makes the optimizer swap pool buffer_count x 4 GB. What a rank holds
+in RAM is the estimate's host tier, and its device tier too when the devices are CPUs;
+with about 0.25 GiB of interpreter and torch, times the ranks on the host, it is compared
+with what the host has. When it does not fit, `fit` names the settings to lower and the
+largest round value (1, 2 or 5 x 10^k) of each that fits, trying one setting alone first
+(the one that saves most), then more together, re-estimating each time. A setting is never lowered below the point where its buffer stops
 shrinking (the largest parameter slice for `sub_group_size`, one block for
 `stage3_max_live_parameters`, one block's shard for `offload_param.buffer_size`) or where
 the engine refuses it (4 optimizer buffers: masters, gradients and two moments of one
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshspeed.planner.activations import ModelShape, block_param_count
-from meshspeed.planner.offload import host_buffer_bytes, nvme_host_buffers, root_param_count
+from meshspeed.planner.estimate import estimate_memory
+from meshspeed.planner.offload import assumed_shape, root_param_count
 
 INTERPRETER = 0.25 * 2**30  # Python and torch themselves, per process (offload.py's Note)
 
@@ -77,48 +79,50 @@ class Fit:
     available: int
     on_cpu: bool
     ranks: int
-    settings: dict[str, int]  # nvme_host_buffers' keywords as given (defaults filled in)
-    buffers: dict[str, int]  # nvme_host_buffers with those settings
+    settings: dict[str, int]  # the knobs' values as given (defaults filled in)
+    buffers: dict[str, int]  # the estimate's itemised buffers (offload and comm)
     changes: dict[str, int] = field(default_factory=dict)  # knob key -> the value that fits
     need_after: int | None = None  # with `changes`, or with every knob at its floor
     fits_after: bool = False
+    nvme: Fit | None = None  # a host-offloaded optimizer that does not fit: the same on NVMe
+    nvme_keys: tuple[str, ...] = ()  # (in `nvme`) the offload settings moved to "nvme"
 
     @property
     def fits(self) -> bool:
         return self.need <= self.available
 
 
-def fit(shape: Any, available: float, *, dp: int = 1, param_bytes: float = 2,
-        comm_bytes: float = 4, activations: int = 0, on_cpu: bool = True, ranks: int = 1,
-        **settings: int) -> Fit:
-    """Note [the knob that fits]: `settings` are nvme_host_buffers' keywords (SETTINGS are
-    the defaults); `activations` are one rank's bytes, counted when `on_cpu`."""
-    s = ModelShape.from_any(shape)
-    unknown = set(settings) - set(SETTINGS)
-    if unknown:
-        raise ValueError(f"unknown buffer setting {', '.join(sorted(unknown))}; "
-                         f"the settings are {', '.join(SETTINGS)}")
-    base = SETTINGS | settings
+def in_memory(estimate: Mapping[str, Any], on_cpu: bool) -> int:
+    """Bytes of one rank in RAM: the host tier, and the device tier too when the devices
+    are CPUs."""
+    tiers = estimate["tiers"]
+    return tiers["host"] + (tiers["device"] if on_cpu else 0)
 
-    def buffers(values: Mapping[str, int]) -> dict[str, int]:
-        return nvme_host_buffers(s, dp=dp, param_bytes=param_bytes, comm_bytes=comm_bytes, **values)
+
+def fit(num_params: float, dp: int, stage: int, available: float, *, on_cpu: bool = True,
+        ranks: int = 1, **kwargs: Any) -> Fit:
+    """Note [the knob that fits] for estimate_memory(num_params, dp, stage, **kwargs):
+    the knobs are its keywords of the same names (KNOBS; absent ones take their defaults)."""
+    base = SETTINGS | {k: v for k, v in kwargs.items() if k in SETTINGS}
+    rest = {k: v for k, v in kwargs.items() if k not in SETTINGS}
 
     def need(values: Mapping[str, int]) -> int:
-        b = buffers(values)
-        held = b["total"] + activations if on_cpu else host_buffer_bytes(b)
-        return math.ceil(ranks * (held + INTERPRETER))
+        est = estimate_memory(num_params, dp, stage, **rest, **values)
+        return math.ceil(ranks * (in_memory(est, on_cpu) + INTERPRETER))
 
-    out = Fit(need(base), int(available), on_cpu, ranks, dict(base), buffers(base))
+    first = estimate_memory(num_params, dp, stage, **rest, **base)
+    buffers = first["detail"]["comm_buffers"] | first["detail"].get("offload_buffers", {})
+    out = Fit(need(base), int(available), on_cpu, ranks, dict(base), dict(buffers))
     if out.fits:
         return out
-    floors = {k.key: min(base[k.arg], _round_up(k.floor(s, dp, base))) for k in KNOBS}
-    by_saving = sorted(
-        (k for k in KNOBS if need(base | {k.arg: floors[k.key]}) < out.need),
-        key=lambda k: need(base | {k.arg: floors[k.key]}))
+    shape = ModelShape.from_any(rest.get("model_shape") or first.get("assumed_shape")
+                                or assumed_shape(num_params))
+    floors = {k.key: min(base[k.arg], _round_up(k.floor(shape, dp, base))) for k in KNOBS}
+    saving = {k.key: need(_apply(base, {k.key: floors[k.key]})) for k in KNOBS}
+    by_saving = sorted((k for k in KNOBS if saving[k.key] < out.need), key=lambda k: saving[k.key])
     chosen: dict[str, int] = {}
     for knob in by_saving:  # one alone if one suffices, else the biggest savers together
-        alone = base | {knob.arg: floors[knob.key]}
-        if need(alone) <= available:
+        if saving[knob.key] <= available:
             chosen = {knob.key: floors[knob.key]}
             break
     else:
@@ -135,7 +139,13 @@ def fit(shape: Any, available: float, *, dp: int = 1, param_bytes: float = 2,
                     break
     out.changes = chosen
     out.need_after = need(_apply(base, chosen))
-    out.fits_after = fits_now
+    out.fits_after = fits_now and bool(chosen)
+    if not out.fits_after and rest.get("offload_optimizer") == "cpu":
+        to_nvme = {"offload_optimizer": "nvme"} | (
+            {"offload_param": "nvme"} if rest.get("offload_param") else {})
+        out.nvme = fit(num_params, dp, stage, available, on_cpu=on_cpu, ranks=ranks,
+                       **(rest | to_nvme), **base)
+        out.nvme.nvme_keys = tuple(to_nvme)
     return out
 
 
@@ -154,31 +164,46 @@ def _candidates(knob: Knob, floor: int, current: int) -> list[int]:
 
 def format_fit(f: Fit, source: str) -> str:
     """One sentence: fits, or what to lower to what (Note [the knob that fits])."""
-    where = "device + host buffers and activations, all RAM on a CPU" if f.on_cpu else \
-        "the host buffers"
+    where = "on device + on host, both RAM on a CPU" if f.on_cpu else "on host"
     per = f" for {f.ranks} ranks" if f.ranks > 1 else ""
     if f.fits:
         return (f"host memory: fits, {_gb(f.need)} GB{per} ({where}, plus 0.25 GiB for Python "
                 f"and torch) of the {_gb(f.available)} GB available ({source}).")
     head = (f"host memory: does not fit, {_gb(f.need)} GB{per} ({where}, plus 0.25 GiB for "
             f"Python and torch) against {_gb(f.available)} GB available ({source})")
-    knobs = [k for k in KNOBS if k.key in f.changes]
-    if not knobs:
-        return head + "; no buffer setting shrinks it: use a machine with more memory."
-    first = knobs[0]
-    current = f.buffers[first.buffer]
-    now = _value(first, f.settings[first.arg])
-    why = (f"with {first.key} {now}{' (the default)' if f.settings[first.arg] == first.default else ''} "
-           f"the {first.buffer.replace('_', ' ')} need {_gb(current)} GB")
-    if not f.fits_after:
-        lowest = " and ".join(f"{k.key} {_value(k, f.changes[k.key])}" for k in knobs)
-        acts = ", fewer activations (a smaller micro batch, activation checkpointing)" \
-            if f.on_cpu else ""
-        return (f"{head}; {why}, and even {lowest} (where the buffers stop shrinking) leave "
-                f"{_gb(f.need_after)} GB: use fewer ranks on this host{acts} or more memory.")
-    new = " and ".join(f"{k.key} {_value(k, f.changes[k.key])}" for k in knobs)
-    flags = " ".join(f"{k.flag} {_value(k, f.changes[k.key])}" for k in knobs)
-    return f"{head}; {why}: {new} fit{'s' if len(knobs) == 1 else ''} in {_gb(f.need_after)} GB ({flags})."
+    if f.fits_after:
+        return f"{head}; {_why(f)}: {_settings(f)} fit{_s(f)} in {_gb(f.need_after)} GB ({_flags(f)})."
+    if f.nvme is not None and (f.nvme.fits or f.nvme.fits_after):
+        n = f.nvme
+        devices = " and ".join(f"{k}.device" for k in n.nvme_keys)
+        flags = " ".join(f"--{k.replace('_', '-')} nvme" for k in n.nvme_keys)
+        tail = (f" with {_settings(n)} fit{_s(n)} in {_gb(n.need_after)} GB ({flags} {_flags(n)})"
+                if n.changes else f" fits in {_gb(n.need)} GB ({flags})")
+        return f"{head}, and no buffer setting makes it fit; {devices} \"nvme\"{tail}."
+    if not f.changes:
+        return f"{head}; no buffer setting shrinks it: use more memory or more ranks over more hosts."
+    acts = ", fewer activations (a smaller micro batch, activation checkpointing)" if f.on_cpu else ""
+    return (f"{head}; {_why(f)}, and even {_settings(f)} (where the buffers stop shrinking) "
+            f"leave {_gb(f.need_after)} GB: use fewer ranks on this host{acts} or more memory.")
+
+
+def _why(f: Fit) -> str:
+    first = next(k for k in KNOBS if k.key in f.changes)
+    default = " (the default)" if f.settings[first.arg] == first.default else ""
+    return (f"with {first.key} {_value(first, f.settings[first.arg])}{default} the "
+            f"{first.buffer.replace('_', ' ')} need {_gb(f.buffers[first.buffer])} GB")
+
+
+def _settings(f: Fit) -> str:
+    return " and ".join(f"{k.key} {_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
+
+
+def _flags(f: Fit) -> str:
+    return " ".join(f"{k.flag} {_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
+
+
+def _s(f: Fit) -> str:
+    return "s" if len(f.changes) == 1 else ""
 
 
 def _round_up(v: int) -> int:

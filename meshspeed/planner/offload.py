@@ -98,7 +98,7 @@ def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes:
 
 def host_buffer_bytes(buffers: dict[str, int]) -> int:
     """The part of `nvme_host_buffers` in host memory (the rest is on the accelerator)."""
-    return buffers["total"] - buffers["gradient_staging"] - buffers["gathered_params"]
+    return buffers["total"] - buffers.get("gradient_staging", 0) - buffers.get("gathered_params", 0)
 
 
 def assumed_shape(num_params: float) -> ModelShape:

@@ -93,17 +93,22 @@ def in_memory_bytes(estimate: Mapping[str, Any]) -> int:
 
 
 def _infinity_lines(e: Mapping[str, Any]) -> list[str]:
-    """ZeRO-Infinity: the bounded buffers that stay in memory, itemised, and the shape they
-    were sized for when none was given."""
+    """An NVMe optimizer (ZeRO-Infinity when the parameters are in files too): the bounded
+    buffers that stay in memory, itemised, and the shape they were sized for when none was
+    given."""
     buffers = e.get("detail", {}).get("offload_buffers")
     if not buffers:
         return []
     device = ("gradient_staging", "gathered_params")
     items = ", ".join(f"{k.replace('_', ' ')} {format_gb(v)}{' (device)' if k in device else ''}"
                       for k, v in buffers.items() if k != "total")
-    acts = f" + activations {format_gb(e['activations'])}" if e["activations"] else ""
-    out = [(f"in memory with everything on NVMe (stage {e['stage']}): "
-           f"{format_gb(in_memory_bytes(e))} (on device + on host) = {items}{acts}")]
+    if "gradient_staging" in buffers:  # ZeRO-Infinity: these buffers are all that is in memory
+        acts = f" + activations {format_gb(e['activations'])}" if e["activations"] else ""
+        out = [(f"in memory with everything on NVMe (stage {e['stage']}): "
+                f"{format_gb(in_memory_bytes(e))} (on device + on host) = {items}{acts}")]
+    else:
+        out = [(f"host buffers of the NVMe optimizer (stage {e['stage']}, in \"offload buffers\"): "
+                f"{format_gb(buffers['total'])} = {items}")]
     shape = e.get("assumed_shape")
     if shape:
         out.append(

@@ -65,9 +65,11 @@ def test_rows_add_up(shape, offload, dp):
         parts = est["model_states"] + est["activations"] + est["comm_buffers"] + est["offload_buffers"]
         assert est["total"] == parts == sum(est["tiers"].values())
         buffers = est["detail"].get("offload_buffers")
-        if buffers:  # the itemised buffers are the comm and offload rows, nothing else
+        if opt == param == "nvme":  # the itemised buffers are the comm and offload rows
             assert buffers["total"] == est["comm_buffers"] + est["offload_buffers"]
             assert est["tiers"]["host"] == est["offload_buffers"]  # every state is on NVMe
+        elif opt == "nvme":
+            assert buffers["total"] == est["offload_buffers"]
         else:
             assert est["offload_buffers"] == 0
 
@@ -79,8 +81,8 @@ def test_footer_lists_only_what_is_left_out(capsys):
     assert "staging" not in footer and "swap buffers" not in footer
     assert "interpreter" in footer
     # the NVMe optimizer alone: its swap buffers are not itemised, and the footer says so
-    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", "--stage", "3",
-                     "--offload-optimizer", "nvme"]) == 0
+    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", "--stage", "3", "--tp", "2",
+                     "--offload-optimizer", "nvme", "--host-memory", "1TB", "--device", "cpu"]) == 0
     assert "the NVMe optimizer's swap buffers" in capsys.readouterr().out.split("Not counted: ")[1]
     assert cli_main(["estimate", "--params", "7.5e9", "--dp", "64"]) == 0
     footer = capsys.readouterr().out.split("Not counted: ")[1]
@@ -111,9 +113,16 @@ def test_ample_memory_gives_no_knob(capsys):
     assert "sub_group_size" not in line and "--" not in line.replace("--host-memory", "")
 
 
+def _fit(available, **kwargs):
+    """The 2B model of docs/infinity.md, everything on NVMe, micro batch 2 x 128 tokens."""
+    args = {"offload_optimizer": "nvme", "offload_param": "nvme", "model_shape": TWO_B,
+            "micro_batch_size": 2, "seq_len": 128} | kwargs
+    return fit(param_count(TWO_B), 1, 3, available, **args)
+
+
 def test_the_suggested_value_is_the_largest_round_one_that_fits():
     for available in (20 * GB, 12 * GB, 9 * GB):
-        f = fit(TWO_B, available, activations=957_000_000)
+        f = _fit(available)
         assert not f.fits and f.fits_after and f.need_after <= available
         settings = {k.arg: f.changes.get(k.key, k.default) for k in KNOBS}
         # the next round value up for each lowered setting does not fit
@@ -123,29 +132,47 @@ def test_the_suggested_value_is_the_largest_round_one_that_fits():
                 up = value + 1 if knob.count else next(
                     v for v in sorted(m * 10**e for e in range(13) for m in (1, 2, 5)) if v > value)
                 if up < knob.default:
-                    assert fit(TWO_B, available, activations=957_000_000,
-                               **(settings | {knob.arg: up})).need > available
+                    assert _fit(available, **(settings | {knob.arg: up})).need > available
 
 
-def test_on_a_gpu_only_the_host_buffers_count():
-    cpu = fit(TWO_B, 1e12, activations=957_000_000, on_cpu=True)
-    gpu = fit(TWO_B, 1e12, activations=957_000_000, on_cpu=False)
-    b = cpu.buffers
-    assert cpu.need == round(b["total"] + 957_000_000 + INTERPRETER)
-    assert gpu.need == round(b["total"] - b["gradient_staging"] - b["gathered_params"] + INTERPRETER)
-    assert fit(TWO_B, 1e12, ranks=2).need == 2 * fit(TWO_B, 1e12).need
+def test_what_counts_is_the_estimates_ram():
+    on_cpu, on_gpu = _fit(10**12), _fit(10**12, on_cpu=False)
+    est = estimate_memory(param_count(TWO_B), 1, 3, offload_optimizer="nvme", offload_param="nvme",
+                          model_shape=TWO_B, micro_batch_size=2, seq_len=128)
+    assert on_cpu.fits and on_cpu.need == round(est["tiers"]["device"] + est["tiers"]["host"] + INTERPRETER)
+    assert on_gpu.need == round(est["tiers"]["host"] + INTERPRETER)
+    assert est["tiers"]["device"] == est["activations"] + est["comm_buffers"]
+    assert _fit(10**12, ranks=2).need == 2 * on_cpu.need
 
 
 def test_too_little_memory_says_what_is_left():
-    f = fit(TWO_B, 3 * GB)
+    f = _fit(3 * GB)
     assert not f.fits_after and f.need_after > 3 * GB
     text = format_fit(f, "--host-memory")
     assert "where the buffers stop shrinking" in text and "more memory" in text
     # the floors: one parameter slice per sub-group, 4 optimizer buffers (Adam, everything swapped)
     assert f.changes["sub_group_size"] >= 2048 * 32768
     assert f.changes.get("offload_optimizer.buffer_count", 4) == 4
-    with pytest.raises(ValueError, match="unknown buffer setting sub_group"):
-        fit(TWO_B, GB, sub_group=1)
+
+
+def test_a_host_optimizer_that_does_not_fit_is_pointed_to_nvme(capsys):
+    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", "--stage", "2",
+                     "--offload-optimizer", "cpu", "--device", "cpu", "--host-memory", "20e9"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "no buffer setting makes it fit" in line
+    assert line.endswith('offload_optimizer.device "nvme" with sub_group_size 5e8 fits in 15.6 GB '
+                         "(--offload-optimizer nvme --sub-group-size 5e8).")
+
+
+def test_the_nvme_optimizer_alone_itemises_its_buffers(capsys):
+    est = estimate_memory(2e9, 1, 2, offload_optimizer="nvme")
+    buffers = est["detail"]["offload_buffers"]
+    assert set(buffers) == {"optimizer_swap_buffers", "unit_gradient", "writes_in_flight", "total"}
+    assert buffers["total"] == est["offload_buffers"] == est["tiers"]["host"]
+    assert buffers["optimizer_swap_buffers"] == nvme_host_buffers(TWO_B)["optimizer_swap_buffers"]
+    # tp splits the slices the buffers are sized by: not itemised, and the footer says so
+    tp = estimate_memory(2e9, 1, 2, offload_optimizer="nvme", tp=2)
+    assert tp["offload_buffers"] == 0 and any("swap buffers" in x for x in tp["not_counted"])
 
 
 def test_memavailable_is_the_default_budget(capsys):
