@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-buffer-size", type=_count, default=1e8, help="offload_param.buffer_size")
     parser.add_argument("--no-overlap-comm", action="store_true",
                         help="one gradient bucket instead of two")
-    memory = parser.add_argument_group("host memory (ZeRO-Infinity: do the buffers fit?)")
+    memory = parser.add_argument_group("host memory (with offload: does a rank fit?)")
     memory.add_argument("--host-memory", type=lambda v: parse_bytes(v, "--host-memory"),
                         help="bytes the ranks on one host may use (24GiB, 2.4e10); "
                              "default: MemAvailable of this machine")

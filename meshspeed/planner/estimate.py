@@ -100,9 +100,10 @@ def estimate_memory(
     the gradient shard the optimizer consumes, off the device, in fp32 (4 bytes): in host
     memory for "cpu" (Note [one gradient copy between steps] in meshspeed/offload/placement.py),
     in files for "nvme" (Note [gradients in their NVMe slot]), next to the fp32 masters.
-    offload_param ("cpu" | "nvme", stage 3 only) moves parameter shards off the device; the device then holds only gathered working parameters. The allgather bucket
-    is used after backward, when activations are freed, so it does not add to the peak and
-    is accepted for symmetry with ZeRO configs only.
+    offload_param ("cpu" | "nvme", stage 3 only) moves parameter shards off the device;
+    the device then holds only gathered working parameters. The allgather bucket is used
+    after backward, when activations are freed, so it does not add to the peak and is
+    accepted for symmetry with ZeRO configs only.
 
     tp: tensor-parallel degree. Each rank holds 1/tp of every split parameter (with a
     model_shape: the projections, embedding and head; without one, all num_params are

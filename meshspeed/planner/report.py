@@ -24,6 +24,7 @@ _ROWS = (
     ("  on nvme", lambda e: e["tiers"]["nvme"]),
 )
 _SHAPE_FLAGS = "--layers/--d-model/--heads/--vocab/--seq-len"
+_NOT_COUNTED = ("CUDA context", "allocator fragmentation", "temporaries")  # at the least
 
 
 def format_gb(nbytes: float) -> str:
@@ -81,7 +82,7 @@ def format_report(estimate: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> 
     if all(e["activations"] == 0 for e in estimates):
         lines.append(f"activations: not estimated (give a model shape, micro batch and sequence "
                      f"length: {_SHAPE_FLAGS}, --micro-batch)")
-    missing = dict.fromkeys(item for e in estimates for item in e.get("not_counted", ()))
+    missing = dict.fromkeys(item for e in estimates for item in e.get("not_counted", _NOT_COUNTED))
     lines.append(f"Not counted: {', '.join(missing)} (see docs/memory.md).")
     return "\n".join(lines)
 
