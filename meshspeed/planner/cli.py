@@ -4,6 +4,9 @@
     meshspeed estimate --params 7.5B                    # the paper's Table 1 over N_d
     meshspeed estimate --layers 32 --d-model 4096 --heads 32 --vocab 32000 \\
         --seq-len 4096 --micro-batch 1 --dp 8 --stage 3 # parameters counted from the shape
+    meshspeed estimate --params 2e9 --dp 1 --offload-optimizer nvme --offload-param nvme
+                                                        # ZeRO-Infinity: buffers, and whether
+                                                        # they fit this machine's memory
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from meshspeed.planner.estimate import (
     format_table,
     valid_stages,
 )
+from meshspeed.planner.fit import fit, format_fit
+from meshspeed.planner.hardware import available_memory, parse_bytes
 
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _SHAPE_ARGS = ("layers", "d_model", "heads", "vocab")
@@ -67,6 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-buffer-size", type=_count, default=1e8, help="offload_param.buffer_size")
     parser.add_argument("--no-overlap-comm", action="store_true",
                         help="one gradient bucket instead of two")
+    memory = parser.add_argument_group("host memory (with offload: does a rank fit?)")
+    memory.add_argument("--host-memory", type=lambda v: parse_bytes(v, "--host-memory"),
+                        help="bytes the ranks on one host may use (24GiB, 2.4e10); "
+                             "default: MemAvailable of this machine")
+    memory.add_argument("--ranks-per-host", type=int, default=1,
+                        help="processes sharing that memory (default 1)")
+    memory.add_argument("--device", choices=("cpu", "gpu"),
+                        help="where training runs; on \"cpu\" the device buffers and activations "
+                             "are RAM too (default: gpu if torch sees one, else cpu)")
     shape = parser.add_argument_group("activations (a Llama-like decoder)")
     shape.add_argument("--layers", type=int)
     shape.add_argument("--d-model", type=int)
@@ -130,8 +144,40 @@ def main(args: argparse.Namespace) -> int:
         else:
             payload = [estimate_memory(num_params, args.dp, s, **kwargs) for s in stages]
             text = format_report(payload)
+            for est in payload:
+                line = _host_memory(est, kwargs, args)
+                if line:
+                    text += "\n" + line
     except ValueError as err:
         print(f"meshspeed estimate: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(payload, indent=2) if args.json else text)
     return 0
+
+
+def _host_memory(est: dict, kwargs: dict, args: argparse.Namespace) -> str | None:
+    """The host-memory verdict for an estimate that offloads (Note [the knob that fits] in
+    meshspeed/planner/fit.py), stored in the estimate as "host_memory"; None otherwise."""
+    if est["offload_optimizer"] is None and est["offload_param"] is None:
+        return None
+    if args.ranks_per_host < 1:
+        raise ValueError(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
+    available, source = args.host_memory, "--host-memory"
+    if available is None:
+        available, source = available_memory(), "MemAvailable"
+    if available is None:
+        return "host memory: not checked (no MemAvailable in /proc/meminfo; pass --host-memory)"
+    on_cpu = (args.device or _detect_device()) == "cpu"
+    verdict = fit(est["num_params"], est["dp"], est["stage"], available, on_cpu=on_cpu,
+                  ranks=args.ranks_per_host, **kwargs)
+    est["host_memory"] = {"need": verdict.need, "available": verdict.available,
+                          "source": source, "on_cpu": on_cpu, "fits": verdict.fits,
+                          "changes": verdict.changes, "need_after": verdict.need_after}
+    return format_fit(verdict, source)
+
+
+def _detect_device() -> str:
+    # lazy: torch is needed only to look for an accelerator, and only for this check
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"

@@ -5,6 +5,7 @@ paper's formula leaves out. Pure arithmetic: no torch, no processes. See docs/me
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -15,7 +16,7 @@ from meshspeed.planner.activations import (
     block_param_count,
     split_param_count,
 )
-from meshspeed.planner.offload import FP32, nvme_host_buffers
+from meshspeed.planner.offload import FP32, assumed_shape, host_buffer_bytes, nvme_host_buffers
 from meshspeed.planner.report import format_report, format_table
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "estimate_table",
     "format_report",
     "format_table",
+    "not_counted",
     "valid_stages",
 ]
 
@@ -86,18 +88,22 @@ def estimate_memory(
     Returns a JSON-serialisable dict. "params", "grads", "optimizer_states" and their sum
     "model_states" are the paper's quantities wherever they live. "activations" is 0 when no
     model_shape is given (the memory is then not estimated, not zero). "comm_buffers" are the
-    gradient buckets and, at stage 3, the gathered working parameters. "total" is
-    model_states + activations + comm_buffers over all tiers; "tiers" splits it into
-    "device" (what must fit on the accelerator), "host" and "nvme". "placement" maps each model
-    state to its tier and "detail" itemises activations and buffers. Not counted anywhere:
-    CUDA context, allocator fragmentation, temporaries, staging buffers for offload.
+    gradient buckets and, at stage 3, the gathered working parameters. "offload_buffers" are
+    the host buffers of an NVMe optimizer (below; 0 otherwise). "total" is model_states +
+    activations + comm_buffers + offload_buffers over all tiers; "tiers" splits it into
+    "device" (what must fit on the accelerator), "host" and "nvme", and they sum to "total".
+    "placement" maps each model state to its tier and "detail" itemises activations and
+    buffers. "not_counted" lists what is counted nowhere (CUDA context, allocator
+    fragmentation, temporaries, ...).
 
     offload_optimizer ("cpu" | "nvme", stage >= 1) moves optimizer states, and from stage 2
-    the gradient shard the optimizer consumes, off the device (gradients go to host memory
-    even for "nvme"). offload_param ("cpu" | "nvme", stage 3 only) moves parameter shards off
-    the device; the device then holds only gathered working parameters. The allgather bucket
-    is used after backward, when activations are freed, so it does not add to the peak and
-    is accepted for symmetry with ZeRO configs only.
+    the gradient shard the optimizer consumes, off the device, in fp32 (4 bytes): in host
+    memory for "cpu" (Note [one gradient copy between steps] in meshspeed/offload/placement.py),
+    in files for "nvme" (Note [gradients in their NVMe slot]), next to the fp32 masters.
+    offload_param ("cpu" | "nvme", stage 3 only) moves parameter shards off the device;
+    the device then holds only gathered working parameters. The allgather bucket is used
+    after backward, when activations are freed, so it does not add to the peak and is
+    accepted for symmetry with ZeRO configs only.
 
     tp: tensor-parallel degree. Each rank holds 1/tp of every split parameter (with a
     model_shape: the projections, embedding and head; without one, all num_params are
@@ -105,14 +111,17 @@ def estimate_memory(
     per rank, model states = K' x ceil((split/tp + replicated) / dp) for a sharded state.
     "num_params_per_tp_rank" is the count ZeRO works on.
 
-    ZeRO-Infinity (stage 3, both offloads "nvme", with a model_shape): every model state is
-    on NVMe, gradients included, and "detail"["offload_buffers"] itemises the bounded
-    buffers that stay in memory (meshspeed/planner/offload.py, Note [what an
-    everything-on-NVMe rank holds]) from `sub_group_size`, `optimizer_buffer_count`
-    (offload_optimizer.buffer_count), `param_buffer_count` / `param_buffer_size`
-    (offload_param's) and the stage-3 live-parameter limits. The swap buffers, the fp32
-    gradient copy and the writes in flight are "host"; gradient staging and gathered
-    parameters are "comm_buffers" on the device.
+    With offload_optimizer "nvme" (and tp 1), "detail"["offload_buffers"] itemises the
+    bounded buffers that stand in for the swapped state (meshspeed/planner/offload.py,
+    Note [what an everything-on-NVMe rank holds]), from `sub_group_size`,
+    `optimizer_buffer_count` (offload_optimizer.buffer_count) and, with offload_param
+    "nvme" too (ZeRO-Infinity: every model state on NVMe), `param_buffer_count` /
+    `param_buffer_size` (offload_param's) and the stage-3 live-parameter limits. The swap
+    buffers, the fp32 gradient copy and the writes in flight are host memory
+    ("offload_buffers"); ZeRO-Infinity's gradient staging and gathered parameters are
+    "comm_buffers" on the device. Without a model_shape the buffers are sized for
+    `assumed_shape(num_params)` (Note [a shape from the parameter count]), returned as
+    "assumed_shape"; activations are then not estimated.
     """
     del allgather_bucket_size  # Note in the docstring: not live at the activation peak.
     _check(num_params, dp, stage, offload_optimizer, offload_param)
@@ -122,15 +131,14 @@ def estimate_memory(
     split = total_psi if model_shape is None else min(total_psi, split_param_count(model_shape))
     psi = -(-split // tp) + (total_psi - split)  # what one tp rank holds
     shard = -(-psi // dp)  # ceil, in integers
-    # NVMe optimizer offload keeps the gradients in fp32 files (Note [gradients in their NVMe slot])
-    stored_grad_bytes = FP32 if offload_optimizer == "nvme" and stage >= 2 else grad_bytes
+    # an offloaded optimizer consumes fp32 gradients: host buffers for "cpu" (Note [one
+    # gradient copy between steps]), files for "nvme" (Note [gradients in their NVMe slot])
+    stored_grad_bytes = FP32 if offload_optimizer is not None and stage >= 2 else grad_bytes
     per_param = {"params": param_bytes, "grads": stored_grad_bytes, "optimizer_states": optimizer_bytes}
     states = {
         name: math.ceil((shard if name in SHARDED[stage] else psi) * nbytes)
         for name, nbytes in per_param.items()
     }
-    infinity = stage == 3 and offload_optimizer == "nvme" and offload_param == "nvme" \
-        and model_shape is not None
     placement = {
         "params": _TIER[offload_param],
         # NVMe optimizer offload writes the gradients to files (offload/grad_files.py)
@@ -159,24 +167,31 @@ def estimate_memory(
         comm["gathered_params"] = _gathered_params(
             psi, param_bytes, max_live_parameters, prefetch_bucket_size, model_shape
         )
-    buffers = None
-    if infinity:  # Note [what an everything-on-NVMe rank holds]
-        if tp != 1:
-            raise ValueError("the ZeRO-Infinity buffer estimate assumes tp 1")
+    buffers = assumed = None
+    infinity = stage == 3 and offload_optimizer == "nvme" and offload_param == "nvme"
+    if infinity and tp != 1:
+        raise ValueError("the ZeRO-Infinity buffer estimate assumes tp 1")
+    if offload_optimizer == "nvme" and tp == 1:  # Note [what an everything-on-NVMe rank holds]
+        if model_shape is None:  # Note [a shape from the parameter count]
+            assumed = assumed_shape(total_psi)
         buffers = nvme_host_buffers(
-            model_shape, dp=dp, param_bytes=param_bytes, comm_bytes=comm_dtype_bytes or FP32,
-            sub_group_size=sub_group_size, optimizer_buffer_count=optimizer_buffer_count,
-            param_buffer_count=param_buffer_count, param_buffer_size=param_buffer_size,
-            max_live_parameters=max_live_parameters, prefetch_bucket_size=prefetch_bucket_size)
-        comm = {"reduce_buckets": buffers["gradient_staging"], "gathered_params": buffers["gathered_params"]}
+            model_shape if assumed is None else assumed, dp=dp, param_bytes=param_bytes,
+            comm_bytes=comm_dtype_bytes or FP32, sub_group_size=sub_group_size,
+            optimizer_buffer_count=optimizer_buffer_count, param_buffer_count=param_buffer_count,
+            param_buffer_size=param_buffer_size, max_live_parameters=max_live_parameters,
+            prefetch_bucket_size=prefetch_bucket_size)
+        if infinity:
+            comm = {"reduce_buckets": buffers["gradient_staging"],
+                    "gathered_params": buffers["gathered_params"]}
+        else:  # shards stay put and ZeRO's usual buffers move gradients: only the optimizer's
+            buffers = _optimizer_only(buffers)
     comm["total"] = comm["reduce_buckets"] + comm["gathered_params"]
 
     model_states = sum(states.values())
-    tiers = {"device": acts["total"] + comm["total"], "host": 0, "nvme": 0}
+    host_buffers = 0 if buffers is None else host_buffer_bytes(buffers)
+    tiers = {"device": acts["total"] + comm["total"], "host": host_buffers, "nvme": 0}
     for name, tier in placement.items():
         tiers[tier] += states[name]
-    if buffers is not None:
-        tiers["host"] += buffers["total"] - buffers["gradient_staging"] - buffers["gathered_params"]
     return {
         "num_params": total_psi,
         "num_params_per_tp_rank": psi,
@@ -191,12 +206,34 @@ def estimate_memory(
         "model_states": model_states,
         "activations": acts["total"],
         "comm_buffers": comm["total"],
-        "total": model_states + acts["total"] + comm["total"],
+        "offload_buffers": host_buffers,
+        "total": model_states + acts["total"] + comm["total"] + host_buffers,
         "tiers": tiers,
         "placement": placement,
         "detail": {"activations": acts, "comm_buffers": comm,
                    **({"offload_buffers": buffers} if buffers is not None else {})},
+        **({"assumed_shape": dataclasses.asdict(assumed)} if assumed is not None else {}),
+        "not_counted": not_counted(offload_optimizer, offload_param, itemised=buffers is not None),
     }
+
+
+def _optimizer_only(buffers: dict[str, int]) -> dict[str, int]:
+    """The host buffers of an NVMe optimizer whose parameters are not in files."""
+    out = {k: buffers[k] for k in ("optimizer_swap_buffers", "unit_gradient", "writes_in_flight")}
+    return out | {"total": sum(out.values())}
+
+
+def not_counted(offload_optimizer: str | None, offload_param: str | None,
+                itemised: bool = True) -> list[str]:
+    """What an estimate with these offload settings leaves out, for its footer."""
+    out = ["CUDA context", "allocator fragmentation", "temporaries"]
+    if offload_optimizer is not None or offload_param is not None:
+        out.append("the Python interpreter and torch in host memory (about 0.25 GiB a process)")
+    if offload_optimizer == "nvme" and not itemised:
+        out.append("the NVMe optimizer's swap buffers (offload_optimizer.buffer_count x "
+                   "sub_group_size x 4 bytes) and up to 0.54 GB of writes in flight: itemised "
+                   "only at tp 1")
+    return out
 
 
 def estimate_table(

@@ -93,6 +93,18 @@ class Hardware:
         return size > 1 and stride * size > self.gpus_per_node
 
 
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def parse_links(spec: str | dict | None) -> dict[str, float]:
     """"intra=900GB/s,inter=50GB/s" or {"intra": "900GB/s", ...} -> bytes/s per name."""
     if spec is None:

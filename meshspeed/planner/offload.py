@@ -10,15 +10,18 @@ config and from the largest unit and parameter, not from the model's size:
                           sub-group (sub_group_size elements, or one parameter's slice
                           when that is larger: parameters are never split; a slice is
                           at most its unit's 1/dp, and can be the whole parameter) x 4 bytes
-  param_swap_buffers      offload_param.buffer_count x buffer_size x the 16-bit width
+  param_swap_buffers      offload_param.buffer_count x the 16-bit width x buffer_size,
+                          or the largest unit shard when every shard is smaller (the
+                          pool is sized at first use: Note [shards larger than a
+                          staging buffer] in meshspeed/offload/param.py)
   gradient_staging        ZeRO's reduce-scatter staging pool: the root unit and the two
                           block units in flight, each whole plus its 1/dp result, in
                           the reduction dtype
   gathered_params         the root unit (embedding + head: whole for all of forward and
                           backward) plus stage3_max_live_parameters + one prefetch bucket
                           of blocks (at least one block), 16-bit
-  unit_gradient           the root unit's reduced 16-bit shard and its fp32 copy on its
-                          way to the file (the largest single gradient copy)
+  unit_gradient           the largest unit's (usually the root's) reduced 16-bit shard
+                          and its fp32 copy on its way to the file
   writes_in_flight        2 x 256 MiB (Note [bounded writes in flight] in
                           meshspeed/offload/masters.py: published 16-bit ranges and
                           landed gradients)
@@ -29,16 +32,33 @@ sum with the measured peak RSS (docs/benchmarks.md). Not counted: the interprete
 torch themselves (about 0.25 GiB), heap fragmentation, and the build under `zero.Init`,
 which holds this rank's 16-bit shards (2 x params / dp bytes) until `initialize` moves
 them to their files unit by unit.
+
+gradient_staging and gathered_params are on the accelerator (the estimate's "comm
+buffers" row); the other four are host memory (its "offload buffers" row). On a CPU-only
+machine both are RAM, as are the activations.
+
+Note [a shape from the parameter count]
+The buffers depend on the largest unit and parameter, so they need a model shape. Given
+only a parameter count, `assumed_shape` picks the decoder a count like it usually has:
+GPT-3 / Llama widths by size (2048 for 1-2.4B, 4096 for 4.5-10B, ...), head size 128,
+vocabulary 32768, and as many blocks as make up the count (the 2B model of
+docs/infinity.md comes out as its 37 blocks of width 2048). The estimate says so, and a
+real shape (--layers/--d-model/--heads/--vocab) replaces it.
 """
 
 from __future__ import annotations
 
 import math
 
-from meshspeed.planner.activations import ModelShape, block_param_count
+from meshspeed.planner.activations import ModelShape, block_param_count, param_count
 
 WRITES_IN_FLIGHT = 2 * (256 << 20)
 FP32 = 4
+ASSUMED_VOCAB = 32768
+ASSUMED_HEAD_DIM = 128
+# (parameters below, d_model): GPT-3's and Llama's widths by model size
+_WIDTHS = ((2e8, 768), (5e8, 1024), (1e9, 1536), (2.4e9, 2048), (4.5e9, 2560), (1e10, 4096),
+           (2e10, 5120), (4.5e10, 6656), (1e11, 8192), (3e11, 12288))
 
 
 def root_param_count(shape: ModelShape) -> int:
@@ -55,6 +75,7 @@ def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes:
     s = ModelShape.from_any(shape)
     block, root = block_param_count(s), root_param_count(s)
     shard = -(-(root + s.n_layer * block) // dp)
+    largest_unit_shard = max(-(-root // dp), -(-block // dp))
     # a rank's range of a unit can hold a whole parameter (where the range boundaries fall),
     # so its largest slice is at most the parameter and at most its unit's 1/dp
     largest_slice = max(min(s.vocab_size * s.d_model, -(-root // dp)),
@@ -64,11 +85,27 @@ def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes:
     live_blocks = min(s.n_layer * block, max(block, max_live_parameters + prefetch_bucket_size))
     out = {
         "optimizer_swap_buffers": optimizer_buffer_count * sub_group * FP32,
-        "param_swap_buffers": math.ceil(param_buffer_count * param_buffer_size * param_bytes),
+        "param_swap_buffers": math.ceil(
+            param_buffer_count * min(param_buffer_size, largest_unit_shard) * param_bytes),
         "gradient_staging": math.ceil(in_flight * (1 + 1 / dp) * comm_bytes),
         "gathered_params": math.ceil((root + live_blocks) * param_bytes),
-        "unit_gradient": math.ceil(-(-root // dp) * (param_bytes + FP32)),
+        "unit_gradient": math.ceil(largest_unit_shard * (param_bytes + FP32)),
         "writes_in_flight": WRITES_IN_FLIGHT,
     }
     out["total"] = sum(out.values())
     return out
+
+
+def host_buffer_bytes(buffers: dict[str, int]) -> int:
+    """The part of `nvme_host_buffers` in host memory (the rest is on the accelerator)."""
+    return buffers["total"] - buffers.get("gradient_staging", 0) - buffers.get("gathered_params", 0)
+
+
+def assumed_shape(num_params: float) -> ModelShape:
+    """The decoder of Note [a shape from the parameter count] for `num_params`."""
+    d = next((width for below, width in _WIDTHS if num_params < below), 16384)
+    base = ModelShape(n_layer=1, d_model=d, n_head=d // ASSUMED_HEAD_DIM, vocab_size=ASSUMED_VOCAB)
+    block = block_param_count(base)
+    n_layer = max(1, round((num_params - (param_count(base) - block)) / block))
+    return ModelShape(n_layer=n_layer, d_model=d, n_head=d // ASSUMED_HEAD_DIM,
+                      vocab_size=ASSUMED_VOCAB)

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
+from meshspeed.planner.activations import param_count
+
 # (label, how to read the value from an estimate)
 _ROWS = (
     ("params", lambda e: e["params"]),
@@ -15,15 +17,14 @@ _ROWS = (
     ("model states (paper)", lambda e: e["model_states"]),
     ("activations", lambda e: e["activations"]),
     ("comm buffers", lambda e: e["comm_buffers"]),
+    ("offload buffers (host)", lambda e: e.get("offload_buffers", 0)),
     ("total", lambda e: e["total"]),
     ("  on device", lambda e: e["tiers"]["device"]),
     ("  on host", lambda e: e["tiers"]["host"]),
     ("  on nvme", lambda e: e["tiers"]["nvme"]),
 )
-_FOOTER = (
-    "Not counted: CUDA context, allocator fragmentation, temporaries, offload staging "
-    "buffers (see docs/memory.md)."
-)
+_SHAPE_FLAGS = "--layers/--d-model/--heads/--vocab/--seq-len"
+_NOT_COUNTED = ("CUDA context", "allocator fragmentation", "temporaries")  # at the least
 
 
 def format_gb(nbytes: float) -> str:
@@ -74,17 +75,49 @@ def format_report(estimate: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> 
     for label, get in _ROWS:
         cells = "".join(f"  {format_gb(get(e)):>{w}}" for e, w in zip(estimates, widths))
         lines.append(f"{label:<{label_w}}{cells}")
+    lines.append("(total = model states + activations + comm buffers + offload buffers "
+                 "= on device + on host + on nvme)")
     for e in estimates:
-        buffers = e.get("detail", {}).get("offload_buffers")
-        if buffers:  # ZeRO-Infinity: what stays in memory, itemised
-            items = ", ".join(f"{k.replace('_', ' ')} {format_gb(v)}" for k, v in buffers.items() if k != "total")
-            lines.append(f"in memory with everything on NVMe (stage {e['stage']}): "
-                         f"{format_gb(buffers['total'])} = {items}")
+        lines.extend(_infinity_lines(e))
     if all(e["activations"] == 0 for e in estimates):
-        lines.append("activations: not estimated (give a model shape, micro batch and sequence "
-                     "length)")
-    lines.append(_FOOTER)
+        lines.append(f"activations: not estimated (give a model shape, micro batch and sequence "
+                     f"length: {_SHAPE_FLAGS}, --micro-batch)")
+    missing = dict.fromkeys(item for e in estimates for item in e.get("not_counted", _NOT_COUNTED))
+    lines.append(f"Not counted: {', '.join(missing)} (see docs/memory.md).")
     return "\n".join(lines)
+
+
+def in_memory_bytes(estimate: Mapping[str, Any]) -> int:
+    """What a rank holds outside its files: the device and host tiers (both RAM when the
+    devices are CPUs)."""
+    return estimate["tiers"]["device"] + estimate["tiers"]["host"]
+
+
+def _infinity_lines(e: Mapping[str, Any]) -> list[str]:
+    """An NVMe optimizer (ZeRO-Infinity when the parameters are in files too): the bounded
+    buffers that stay in memory, itemised, and the shape they were sized for when none was
+    given."""
+    buffers = e.get("detail", {}).get("offload_buffers")
+    if not buffers:
+        return []
+    device = ("gradient_staging", "gathered_params")
+    items = ", ".join(f"{k.replace('_', ' ')} {format_gb(v)}{' (device)' if k in device else ''}"
+                      for k, v in buffers.items() if k != "total")
+    if "gradient_staging" in buffers:  # ZeRO-Infinity: these buffers are all that is in memory
+        acts = f" + activations {format_gb(e['activations'])}" if e["activations"] else ""
+        out = [(f"in memory with everything on NVMe (stage {e['stage']}): "
+                f"{format_gb(in_memory_bytes(e))} (on device + on host) = {items}{acts}")]
+    else:
+        out = [(f"host buffers of the NVMe optimizer (stage {e['stage']}, in \"offload buffers\"): "
+                f"{format_gb(buffers['total'])} = {items}")]
+    shape = e.get("assumed_shape")
+    if shape:
+        out.append(
+            f"  buffers sized for an assumed shape from the parameter count: d_model "
+            f"{shape['d_model']}, {shape['n_layer']} layers, {shape['n_head']} heads, vocab "
+            f"{shape['vocab_size']} ({format_count(param_count(shape))} parameters); pass "
+            f"{_SHAPE_FLAGS} for yours (and its activations)")
+    return out
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], key: str = "model_states") -> str:

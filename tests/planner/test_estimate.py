@@ -14,6 +14,7 @@ from torch import nn
 from meshspeed.cli import main as cli_main
 from meshspeed.planner import ModelShape, activation_bytes, param_count
 from meshspeed.planner.estimate import estimate_memory, estimate_table
+from meshspeed.planner.offload import nvme_host_buffers
 from meshspeed.planner.report import format_gb
 
 GB = 1e9
@@ -110,16 +111,20 @@ def test_offload_optimizer_moves_optimizer_bytes_off_the_device(target, tier, st
     assert opt == base["optimizer_states"]
     assert off["placement"]["optimizer_states"] == tier
     assert off["tiers"][tier] >= opt
-    # The device loses the optimizer states and, from stage 2, the gradient shard (which
-    # the host-side optimizer consumes: in host memory for "cpu"; for "nvme" in fp32
-    # files, Note [gradients in their NVMe slot], so 4 bytes a parameter there).
+    # The device loses the optimizer states and, from stage 2, the gradient shard, which
+    # the host-side optimizer consumes in fp32 (4 bytes a parameter): in host memory for
+    # "cpu" (Note [one gradient copy between steps]), in files for "nvme" (Note
+    # [gradients in their NVMe slot]).
     moved_grads = off["grads"] if stage >= 2 else 0
-    if stage >= 2 and target == "nvme":
-        assert off["grads"] == 2 * base["grads"] and off["placement"]["grads"] == "nvme"
+    if stage >= 2:
+        assert off["grads"] == 2 * base["grads"] and off["placement"]["grads"] == tier
     else:
         assert off["model_states"] == base["model_states"]
     assert off["tiers"]["device"] == base["tiers"]["device"] - opt - (base["grads"] if stage >= 2 else 0)
-    assert off["tiers"]["host"] == (opt if tier == "host" else 0) + (moved_grads if target == "cpu" else 0)
+    # with "nvme", host memory holds the swap buffers instead (tests/planner/test_fit.py)
+    assert off["tiers"]["host"] == (opt if tier == "host" else 0) + (moved_grads if target == "cpu" else 0) \
+        + off["offload_buffers"]
+    assert (off["offload_buffers"] > 0) == (target == "nvme")
     assert sum(off["tiers"].values()) == off["total"]
 
 
@@ -129,7 +134,12 @@ def test_offload_param_keeps_only_gathered_params_on_device(target, tier):
     est = estimate_memory(psi, 1, 3, offload_optimizer=target, offload_param=target)
     assert est["placement"] == {"params": tier, "grads": tier, "optimizer_states": tier}
     gathered = est["detail"]["comm_buffers"]["gathered_params"]
-    assert gathered == (1_000_000_000 + 50_000_000) * 2  # max_live + one prefetch bucket
+    if target == "cpu":
+        assert gathered == (1_000_000_000 + 50_000_000) * 2  # max_live + one prefetch bucket
+    else:  # ZeRO-Infinity: sized for the shape assumed from the count, root unit included
+        shape = ModelShape(**est["assumed_shape"])
+        assert gathered == nvme_host_buffers(shape)["gathered_params"]
+        assert gathered == (2 * shape.vocab_size * shape.d_model + 1_050_000_000) * 2
     assert est["tiers"]["device"] == est["comm_buffers"]  # no model state left on device
     assert est["tiers"][tier] >= est["params"] + est["optimizer_states"]
 
@@ -340,7 +350,8 @@ def test_cli_json_and_table(capsys):
                      "--offload-optimizer", "cpu", "--json"]) == 0
     (est,) = json.loads(capsys.readouterr().out)
     assert est["stage"] == 3 and est["placement"]["optimizer_states"] == "host"
-    assert est["model_states"] == 1_875_000_000
+    # 2 + 12 bytes a parameter, and 4 for the fp32 gradient the host optimizer consumes
+    assert est["model_states"] == 18 * 7_500_000_000 // 64
 
     assert cli_main(["estimate", "--params", "1T"]) == 0
     out = capsys.readouterr().out
