@@ -38,22 +38,35 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 1},
-        "tensor_parallel": {"autotp_size": args.tp, "sequence_parallel": True, "tp_overlap_comm": True},
+        "tensor_parallel": {"autotp_size": args.tp},
     }
+    if args.tp > 1:  # the norms' sequence split, and each split matmul overlapped with its collective
+        config["tensor_parallel"].update(sequence_parallel=True, tp_overlap_comm=True)
     engine, _, loader, _ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=train_set, config=config)
     rank0 = comm.get_rank() == 0
     if rank0:
         print(engine.mesh, flush=True)  # the degrees, then this rank's groups
         wq = engine.module.layers[0].attn.wq.weight
-        print(f"layers[0].attn.wq holds {tuple(wq.shape)} on each rank (whole: (64, 64))", flush=True)
+        print(f"layers[0].attn.wq holds {tuple(wq.shape)} on each rank (whole: (64, 64)); "
+              f"sequence parallel {args.tp > 1}", flush=True)
 
+    # what the norms see: with sequence parallelism, each rank's part of the sequence
+    seen = {}
+
+    def record(module, inputs, output) -> None:
+        seen.setdefault("x", tuple(inputs[0].shape))
+
+    engine.module.layers[0].mlp_norm.register_forward_hook(record)
     batches = iter(RepeatingLoader(loader))  # the loader splits over dp; both tp ranks read the same batch
     for step in range(1, args.steps + 1):
         ids, targets = next(batches)
         loss = engine(ids, targets)
         engine.backward(loss)
         engine.step()
+        if rank0 and step == 1:
+            print(f"the norms' input on each rank: {seen['x']} (batch, sequence, width) "
+                  f"of a ({ids.shape[0]}, {ids.shape[1]}, 64) batch", flush=True)
         if rank0 and (step % args.print_every == 0 or step == args.steps):
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
 

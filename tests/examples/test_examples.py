@@ -83,12 +83,12 @@ def _zero3_and_inference(cwd: Path) -> dict[str, str]:
     return {"first": first, "resumed": resumed, "generated": generated}
 
 
-JOBS = {  # test name -> what it runs (in a folder of its own); the slowest first
+JOBS = {  # test name -> what it runs (in a folder of its own); the longest first
+    "test_zero3_checkpoint_resume_and_inference": _zero3_and_inference,
     "test_hf_trainer": lambda cwd: _run(cwd, 2, "hf_trainer.py", "--deepspeed", str(EXAMPLES / "ds_config.json"),
                                         "--steps", "6", compat=True),
     "test_hf_model": lambda cwd: _run(cwd, 2, "hf_model.py", "--steps", "6", "--print-every", "3"),
     "test_tp_sp": lambda cwd: _run(cwd, 4, "tp_sp.py", "--steps", "6", "--print-every", "3"),
-    "test_zero3_checkpoint_resume_and_inference": _zero3_and_inference,
     "test_pipeline": lambda cwd: _run(cwd, 2, "pipeline.py", "--steps", "6", "--print-every", "3"),
     "test_long_context": lambda cwd: _run(cwd, 2, "long_context.py", "--steps", "6", "--print-every", "3"),
     "test_moe": lambda cwd: _run(cwd, 2, "moe.py", "--steps", "6", "--print-every", "3"),
@@ -135,7 +135,9 @@ def test_zero3_checkpoint_resume_and_inference(runs):
 def test_tp_sp(runs):
     out = runs["test_tp_sp"].result()
     assert "Topology(rank 0 of 4 ranks = pp 1 x dp 2 x cp 1 x tp 2)" in out, out[-3000:]
-    assert "layers[0].attn.wq holds (32, 64) on each rank" in out, out[-3000:]
+    assert "layers[0].attn.wq holds (32, 64) on each rank" in out, out[-3000:]  # heads split over tp
+    # sequence parallelism: between the split matmuls each tp rank holds half the sequence
+    assert "the norms' input on each rank: (8, 32, 64) (batch, sequence, width) of a (8, 64, 64) batch" in out
     _falls(out, [3, 6])
 
 
