@@ -9,7 +9,9 @@ takes DeepSpeed's keys; `checkpoint` reads a meshspeed (or DeepSpeed-layout, Hug
 safetensors) checkpoint straight into each rank's shard, whatever ZeRO stage or world size
 wrote it. `engine.generate` prefills a batch of prompts and decodes over a KV cache;
 `Server` admits requests as others finish (continuous batching over a paged cache).
-docs/inference.md lists the keys, the caches, sampling and quantization.
+docs/inference.md lists the keys, the caches, sampling and quantization. After the
+checkpoint example's few steps the text is mostly spaces and common letters; a model
+trained longer (`--steps 2000`) writes something closer to Python.
 """
 
 import argparse
