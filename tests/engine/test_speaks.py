@@ -1,0 +1,121 @@
+"""The library speaks (issue 32): with no logging set-up in the user's script, rank 0
+prints the start-up banner and the steps_per_print lines once; a program that configured
+logging gets each line once, through its own handlers; the config key and the
+environment variable quiet it (Note [meshspeed's own handler], meshspeed/process/speak.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshspeed.process import speak
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("speaks_script.py")
+BANNER = re.compile(r"meshspeed \S+: pp 1 x dp (\d) x cp 1 x tp 1 \(\d process(es)?\), ZeRO stage 1, "
+                    r"float32, offload none$")
+STEP = re.compile(r"step (\d+), loss [0-9.]+, lr 0\.001, grad norm [0-9.]+, [0-9,]+ tokens/s, "
+                  r"[0-9.]+ s/step$")
+
+
+def _run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHSPEED_", "RANK", "WORLD_SIZE",
+                                                                    "LOCAL_", "MASTER_", "TORCHELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def test_rank_0_prints_the_banner_and_step_lines_once_in_a_two_rank_run(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+                 str(SCRIPT), "plain"], tmp_path)
+    lines = [line.removeprefix("[meshspeed] ") for line in proc.stdout.splitlines()
+             if line.startswith("[meshspeed] ")]
+    banner = [m for line in lines if (m := BANNER.match(line))]
+    assert len(banner) == 1 and banner[0].group(1) == "2", proc.stdout
+    assert "model 4,656 parameters (the whole model); 0.04 MiB of model state on rank 0" in proc.stdout
+    steps = [STEP.match(line) for line in lines]
+    assert [int(m.group(1)) for m in steps if m] == [2, 4], proc.stdout
+
+
+def _phases(stdout: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("PHASE "):
+            current = out.setdefault(line.split()[1], [])
+        else:
+            current.append(line)
+    return out
+
+
+def test_quiet_by_config_and_env_and_no_duplicates_under_basic_config(tmp_path):
+    phases = _phases(_run([str(SCRIPT), "phases"], tmp_path).stdout)
+    assert phases["quiet"] == [] and phases["env"] == [], phases
+    default = phases["default"]
+    assert len(default) == 4 and all(line.startswith("[meshspeed] ") for line in default), default
+    assert BANNER.match(default[0].removeprefix("[meshspeed] ")), default
+    assert STEP.match(default[3].removeprefix("[meshspeed] ")), default
+    # the program's basicConfig: the same lines, once each, through its handler only
+    user = phases["user"]
+    assert len(user) == 4 and all(line.startswith("USER ") for line in user), user
+    assert [line.removeprefix("USER ") for line in user[:3]] == [line.removeprefix("[meshspeed] ")
+                                                                 for line in default[:3]]
+    assert STEP.match(user[3].removeprefix("USER ")), user
+
+
+@pytest.fixture
+def bare_logging(monkeypatch):
+    """A fresh "meshspeed" logger and no root handlers: call it inside the test (pytest adds
+    its handlers to the root logger at the start of each phase); they come back after."""
+    root, log = logging.getLogger(), logging.getLogger("meshspeed")
+    saved = (log.handlers[:], log.level, log.propagate)
+    monkeypatch.delenv(speak.ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    roots = []
+
+    def bare():
+        roots.extend(root.handlers)
+        root.handlers.clear()
+        log.handlers.clear()
+        log.setLevel(logging.NOTSET)
+        return log
+
+    yield bare
+    root.handlers.extend(h for h in roots if h not in root.handlers)
+    log.handlers[:] = saved[0]
+    log.setLevel(saved[1])
+    log.propagate = saved[2]
+
+
+def test_speak_attaches_one_handler_however_often_it_runs(bare_logging, monkeypatch):
+    log = bare_logging()
+    speak.speak()
+    speak.speak("debug")
+    ours = [h for h in log.handlers if isinstance(h, speak.MeshspeedHandler)]
+    assert len(ours) == 1 and log.level == logging.DEBUG and not log.propagate
+    monkeypatch.setenv("RANK", "1")  # other ranks: warnings and errors only
+    speak.speak("info")
+    assert log.level == logging.WARNING
+    monkeypatch.setenv(speak.ENV, "loud")
+    with pytest.raises(ValueError, match="MESHSPEED_LOG_LEVEL='loud' is not a log level; use one of"):
+        speak.speak()
+
+
+def test_speak_hands_over_to_logging_configured_later(bare_logging):
+    log = bare_logging()
+    speak.speak()
+    logging.getLogger().addHandler(logging.NullHandler())
+    speak.speak()
+    assert log.handlers == [] and log.propagate and log.level == logging.NOTSET
