@@ -4,7 +4,8 @@ The banner (one line each, through the "meshspeed" logger, Note [meshspeed's own
 in meshspeed/process/speak.py):
 
     meshspeed 0.1.0: pp 1 x dp 2 x cp 1 x tp 2 (4 processes), ZeRO stage 3, bfloat16, offload none
-    model 12.35M parameters (the whole model); 40.12 MiB of model state on rank 0 (device 40.12 MiB)
+    model 12.35M parameters (the whole model); 40.12 MiB of model state on rank 0 before the first
+    step (device 40.12 MiB)
     batch: micro batch 8 x accumulation 1 x dp 2 = 16 sequences per step
 """
 
@@ -71,7 +72,7 @@ def banner_lines(engine, params: int) -> list[str]:
         (f"meshspeed {__version__}: {mesh_text(mesh)} ({world} process{'es' if world != 1 else ''}), "
         f"ZeRO stage {cfg.zero_stage}, {dtype}, {_offload(cfg)}"),
         (f"model {count_text(params)} parameters (the whole model); {_mib(memory['total'])} of model "
-        f"state on rank 0 ({tiers})"),
+        f"state on rank 0 before the first step ({tiers})"),
         (f"batch: micro batch {cfg.train_micro_batch_size_per_gpu} x accumulation "
         f"{cfg.gradient_accumulation_steps} x dp {dp} = {cfg.train_batch_size} samples per step"),
     ]

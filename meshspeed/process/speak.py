@@ -106,3 +106,10 @@ def speak(level: str | None = None) -> None:
 def speaks_info() -> bool:
     """Whether an INFO line of the "meshspeed" logger is shown somewhere (progress asks)."""
     return log.isEnabledFor(logging.INFO) and log.hasHandlers()
+
+
+def speak_default() -> None:
+    """`speak()` unless logging is configured already, by the program or by an earlier
+    `initialize` (whose `log_level` stays): for work that reports before or without one."""
+    if not (_user_configured() or _ours()):
+        speak()
