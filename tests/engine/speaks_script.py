@@ -1,11 +1,8 @@
-"""A user's training script with no logging set-up, for tests/engine/test_speaks.py.
-
-    python speaks_script.py plain           # 4 steps, steps_per_print 2 (any world size)
-    python speaks_script.py phases          # one process: quiet by config, default, quiet by
-                                            # MESHSPEED_LOG_LEVEL, after basicConfig
-
-`phases` prints a marker line before each initialize so the test can tell the parts apart.
-"""
+"""A user's training script with no logging set-up, for tests/engine/test_speaks.py; run
+on 2 ranks. Four parts, each announced by a marker line on rank 0 ("PHASE <name>"):
+quiet by the config's log_level, the default (4 steps, steps_per_print 2), quiet by
+MESHSPEED_LOG_LEVEL over the config's "info", and after the script's own
+logging.basicConfig (every rank calls it, as scripts do)."""
 
 from __future__ import annotations
 
@@ -14,12 +11,20 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 import meshspeed
 from meshspeed.models.gpt import GPT, GPTConfig
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 2, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
+
+
+def phase(name: str) -> None:
+    if dist.is_initialized():
+        dist.barrier()  # the previous part's lines are out
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"PHASE {name}", flush=True)
 
 
 def train(steps: int, **config) -> None:
@@ -31,21 +36,20 @@ def train(steps: int, **config) -> None:
     for _ in range(steps):
         engine.backward(engine(tokens, tokens))
         engine.step()
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    if sys.argv[1] == "plain":
-        train(4)
-    else:
-        print("PHASE quiet", flush=True)
-        train(2, log_level="warning")
-        print("PHASE default", flush=True)
-        train(2)
-        print("PHASE env", flush=True)  # the variable wins over the config's "info"
-        os.environ["MESHSPEED_LOG_LEVEL"] = "warning"
-        train(2, log_level="info")
-        del os.environ["MESHSPEED_LOG_LEVEL"]
-        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="USER %(message)s")
-        print("PHASE user", flush=True)
-        train(2)
+    phase("quiet")
+    train(2, log_level="warning")
+    phase("default")
+    train(4)
+    phase("env")
+    os.environ["MESHSPEED_LOG_LEVEL"] = "warning"
+    train(2, log_level="info")
+    del os.environ["MESHSPEED_LOG_LEVEL"]
+    phase("user")
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="USER %(message)s")
+    train(2)
+    phase("end")

@@ -19,7 +19,7 @@ from meshspeed.process import speak
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("speaks_script.py")
-BANNER = re.compile(r"meshspeed \S+: pp 1 x dp (\d) x cp 1 x tp 1 \(\d process(es)?\), ZeRO stage 1, "
+BANNER = re.compile(r"meshspeed \S+: pp 1 x dp (\d) x cp 1 x tp 1 \(\d processes\), ZeRO stage 1, "
                     r"float32, offload none$")
 STEP = re.compile(r"step (\d+), loss [0-9.]+, lr 0\.001, grad norm [0-9.]+, [0-9,]+ tokens/s, "
                   r"[0-9.]+ s/step$")
@@ -35,23 +35,9 @@ def _run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_rank_0_prints_the_banner_and_step_lines_once_in_a_two_rank_run(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-                 str(SCRIPT), "plain"], tmp_path)
-    lines = [line.removeprefix("[meshspeed] ") for line in proc.stdout.splitlines()
-             if line.startswith("[meshspeed] ")]
-    banner = [m for line in lines if (m := BANNER.match(line))]
-    assert len(banner) == 1 and banner[0].group(1) == "2", proc.stdout
-    assert "model 4,656 parameters (the whole model); 0.04 MiB of model state on rank 0" in proc.stdout
-    steps = [STEP.match(line) for line in lines]
-    assert [int(m.group(1)) for m in steps if m] == [2, 4], proc.stdout
-
-
 def _phases(stdout: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
+    out: dict[str, list[str]] = {"before": []}
+    current = out["before"]
     for line in stdout.splitlines():
         if line.startswith("PHASE "):
             current = out.setdefault(line.split()[1], [])
@@ -60,18 +46,28 @@ def _phases(stdout: str) -> dict[str, list[str]]:
     return out
 
 
-def test_quiet_by_config_and_env_and_no_duplicates_under_basic_config(tmp_path):
-    phases = _phases(_run([str(SCRIPT), "phases"], tmp_path).stdout)
-    assert phases["quiet"] == [] and phases["env"] == [], phases
+def test_rank_0_speaks_once_quiets_on_request_and_defers_to_basic_config(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+                 str(SCRIPT)], tmp_path)
+    phases = _phases(proc.stdout)
+    assert phases["before"] == phases["quiet"] == phases["env"] == phases["end"] == [], proc.stdout
+    # the default: rank 0's banner and its two step lines, once each (rank 1 says nothing)
     default = phases["default"]
-    assert len(default) == 4 and all(line.startswith("[meshspeed] ") for line in default), default
-    assert BANNER.match(default[0].removeprefix("[meshspeed] ")), default
-    assert STEP.match(default[3].removeprefix("[meshspeed] ")), default
-    # the program's basicConfig: the same lines, once each, through its handler only
+    assert len(default) == 5 and all(line.startswith("[meshspeed] ") for line in default), default
+    default = [line.removeprefix("[meshspeed] ") for line in default]
+    banner = BANNER.match(default[0])
+    assert banner and banner.group(1) == "2", default
+    assert default[1].startswith("model 4,656 parameters (the whole model); 0.04 MiB of model state on rank 0")
+    assert default[2] == "batch: micro batch 2 x accumulation 1 x dp 2 = 4 samples per step"
+    steps = [STEP.match(line) for line in default[3:]]
+    assert [int(m.group(1)) for m in steps if m] == [2, 4], default
+    # the script's basicConfig: the same lines, once each, through its handler only
     user = phases["user"]
     assert len(user) == 4 and all(line.startswith("USER ") for line in user), user
-    assert [line.removeprefix("USER ") for line in user[:3]] == [line.removeprefix("[meshspeed] ")
-                                                                 for line in default[:3]]
+    assert [line.removeprefix("USER ") for line in user[:3]] == default[:3]
     assert STEP.match(user[3].removeprefix("USER ")), user
 
 
