@@ -57,7 +57,7 @@ def count_text(n: int) -> str:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def banner_lines(engine, params: int) -> list[str]:
