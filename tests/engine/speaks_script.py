@@ -1,6 +1,6 @@
 """A user's training script with no logging set-up, for tests/engine/test_speaks.py; run
 on 2 ranks. Four parts, each announced by a marker line on rank 0 ("PHASE <name>"):
-quiet by the config's log_level, the default (4 steps, steps_per_print 2), quiet by
+quiet by the config's log_level, the default (4 steps, steps_per_print 2, wall_clock_breakdown), quiet by
 MESHSPEED_LOG_LEVEL over the config's "info", and after the script's own
 logging.basicConfig (every rank calls it, as scripts do)."""
 
@@ -44,7 +44,7 @@ if __name__ == "__main__":
     phase("quiet")
     train(2, log_level="warning")
     phase("default")
-    train(4)
+    train(4, wall_clock_breakdown=True)
     phase("env")
     os.environ["MESHSPEED_LOG_LEVEL"] = "warning"
     train(2, log_level="info")

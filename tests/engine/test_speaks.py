@@ -1,5 +1,5 @@
 """The library speaks (issue 32): with no logging set-up in the user's script, rank 0
-prints the start-up banner and the steps_per_print lines once; a program that configured
+prints the start-up banner, the steps_per_print lines and wall_clock_breakdown's once; a program that configured
 logging gets each line once, through its own handlers; the config key and the
 environment variable quiet it (Note [meshspeed's own handler], meshspeed/process/speak.py)."""
 
@@ -54,16 +54,19 @@ def test_rank_0_speaks_once_quiets_on_request_and_defers_to_basic_config(tmp_pat
                  str(SCRIPT)], tmp_path)
     phases = _phases(proc.stdout)
     assert phases["before"] == phases["quiet"] == phases["env"] == phases["end"] == [], proc.stdout
-    # the default: rank 0's banner and its two step lines, once each (rank 1 says nothing)
+    # the default: rank 0's banner, then two step lines each with its wall_clock_breakdown
+    # line, once each (rank 1 says nothing)
     default = phases["default"]
-    assert len(default) == 5 and all(line.startswith("[meshspeed] ") for line in default), default
+    assert len(default) == 7 and all(line.startswith("[meshspeed] ") for line in default), default
     default = [line.removeprefix("[meshspeed] ") for line in default]
     banner = BANNER.match(default[0])
     assert banner and banner.group(1) == "2", default
     assert default[1].startswith("model 4,656 parameters (the whole model); 0.04 MiB of model state on rank 0")
     assert default[2] == "batch: micro batch 2 x accumulation 1 x dp 2 = 4 samples per step"
-    steps = [STEP.match(line) for line in default[3:]]
+    steps = [STEP.match(line) for line in default[3::2]]
     assert [int(m.group(1)) for m in steps if m] == [2, 4], default
+    assert all(re.match(rf"step {n}: time per step \(ms, mean of 2\): forward ", line)
+               for n, line in zip((2, 4), default[4::2])), default
     # the script's basicConfig: the same lines, once each, through its handler only
     user = phases["user"]
     assert len(user) == 4 and all(line.startswith("USER ") for line in user), user
