@@ -21,13 +21,13 @@ import time
 
 import torch
 from torch.distributed import run as torchrun
-from tqdm import tqdm
 
 import meshspeed
 from meshspeed import comm
 from meshspeed.data import ByteWindows, RepeatingLoader, stdlib_corpus, unigram_entropy
 from meshspeed.models.gpt import GPT, GPTConfig, param_count
 from meshspeed.offload import close
+from meshspeed.process.progress import progress
 
 DEMO_MODEL = {"vocab_size": 256, "max_seq_len": 128, "n_layer": 4, "n_head": 4, "d_model": 128}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")  # --offload: zero_optimization.offload_* "device"
@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"residual width (default {DEMO_MODEL['d_model']})")
     parser.add_argument("--heads", type=int, default=DEMO_MODEL["n_head"],
                         help=f"attention heads, dividing --d-model (default {DEMO_MODEL['n_head']})")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree: each layer split over this many ranks, the "
+                             "rest data parallel (e.g. --nproc 4 --tp 2: tp 2 x dp 2; default 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -95,9 +98,12 @@ def _check(args) -> str | None:
     if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
         return f"--nvme-path {args.nvme_path!r} is not an existing directory"
     if min(args.layers, args.d_model, args.heads, args.steps, args.micro_batch, args.seq_len,
-           args.print_every, args.nproc) < 1:
+           args.print_every, args.nproc, args.tp) < 1:
         return ("--layers, --d-model, --heads, --steps, --micro-batch, --seq-len, "
-                "--print-every and --nproc must be at least 1")
+                "--print-every, --nproc and --tp must be at least 1")
+    if args.nproc % args.tp or args.heads % args.tp:
+        return (f"--tp {args.tp} must divide --nproc ({args.nproc}) and --heads ({args.heads}); "
+                f"e.g. --nproc {2 * args.tp} --tp {args.tp}")
     try:
         _model_config(args)
     except ValueError as err:
@@ -148,6 +154,7 @@ def _config(args) -> dict:
             "total_num_steps": args.steps, "warmup_num_steps": warmup, "warmup_type": "linear"}},
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.stage},
+        "tensor_parallel": {"autotp_size": args.tp},
         # the demo prints its own progress line (with tokens/s) every --print-every steps
         "steps_per_print": args.steps + 1,
     }
@@ -167,8 +174,8 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     meshspeed.init_distributed()
     rank = comm.get_rank()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(message)s", stream=sys.stdout)
+    # no logging set-up: the demo shows what a user's own script shows (meshspeed's banner
+    # and lines on rank 0, Note [meshspeed's own handler] in meshspeed/process/speak.py)
     log = logging.getLogger("meshspeed")
 
     data = stdlib_corpus(args.corpus_bytes)
@@ -180,15 +187,17 @@ def train(args: argparse.Namespace) -> int:
         args = argparse.Namespace(**{**vars(args), "nvme_path": own_swap.name})
     torch.manual_seed(0)
     model = GPT(_model_config(args))
+    params = param_count(model)  # the whole model: stage 3 and tp leave each rank a part
     engine, _, loader, _ = meshspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=train_set, config=_config(args))
     if rank == 0:
         log.info("demo: %d bytes of Python stdlib source, unigram entropy %.3f nats/byte; "
-                 "%.2fM parameters, %d ranks, ZeRO stage %d, offload %s", len(data), entropy,
-                 param_count(model) / 1e6, comm.get_world_size(), args.stage, args.offload)
+                 "%.2fM parameters, %d ranks (tp %d), ZeRO stage %d, offload %s", len(data), entropy,
+                 params / 1e6, comm.get_world_size(), args.tp, args.stage, args.offload)
     batches = iter(RepeatingLoader(loader))
-    tokens_per_step = args.micro_batch * args.seq_len * comm.get_world_size()
-    bar = tqdm(total=args.steps, disable=rank != 0, desc="training", unit="step", file=sys.stdout)
+    tokens_per_step = args.micro_batch * args.seq_len * comm.get_world_size() // args.tp
+    # a bar on a terminal, a few plain lines in a log (Note [progress only for long work])
+    bar = progress(args.steps, "training", unit="step")
     start = time.perf_counter()
     loss_avg = None
     for step in range(1, args.steps + 1):
@@ -200,7 +209,6 @@ def train(args: argparse.Namespace) -> int:
         comm.all_reduce(value, op="avg")
         loss_avg = value.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * value.item()
         bar.update(1)
-        bar.set_postfix(loss=f"{value.item():.3f}")
         if step % args.print_every == 0 and rank == 0:
             rate = tokens_per_step * step / (time.perf_counter() - start)
             bar.write(f"step {step:4d}  loss {value.item():.4f}  lr {engine.get_lr()[0]:.2e}  "

@@ -26,6 +26,7 @@ from meshspeed.checkpoint.paths import resolve
 from meshspeed.checkpoint.reshard import SavedTensors, verify_files
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter
 from meshspeed.process.malloc import tune_host_allocator
+from meshspeed.process.progress import progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -97,8 +98,10 @@ def convert(ckpt_dir, out_path: str, tag: str | None = None, dtype: torch.dtype 
         return convert_deepspeed(deepspeed_tag, out_path, dtype)
     store = _open(ckpt_dir, tag, verify)
     plan = _plan(store.meta, dtype)
-    with TensorFileWriter(str(out_path), [spec for spec, _, _ in plan], metadata={"format": "pt"}) as w:
+    with TensorFileWriter(str(out_path), [spec for spec, _, _ in plan], metadata={"format": "pt"}) as w, \
+            progress(len(plan), "checkpoint convert", unit="tensor") as bar:
         for spec, t in _tensors(store, plan, dtype):
+            bar.update()
             w.write(spec.name, t)
             del t
     return {"source": store.path, "output": str(out_path), "tensors": len(plan), "bytes": w.nbytes}

@@ -40,6 +40,7 @@ from meshspeed.checkpoint.resume import resume_tag
 from meshspeed.checkpoint.snapshot import ordered_slices, persistent_buffers, tp_layout
 from meshspeed.checkpoint.tp_ranges import logical_shape
 from meshspeed.parallel.protocol import RankState, declares
+from meshspeed.process.progress import progress
 
 log = logging.getLogger("meshspeed")
 
@@ -88,8 +89,9 @@ def plan_reads(store: SavedTensors, slices) -> dict[str, ReadPlan]:
 
 
 def _load_weights(engine, store: SavedTensors, slices, plans: dict[str, ReadPlan]) -> None:
-    with torch.no_grad():
+    with torch.no_grad(), progress(len(slices), "checkpoint load", unit="tensor") as bar:
         for s in slices:
+            bar.update()
             if s.swap is None:
                 store.fill_planned(plans[s.name], "master", s.master)
                 continue

@@ -18,6 +18,7 @@ import glob
 import logging
 import os
 import secrets
+import threading
 import time
 
 import torch
@@ -36,6 +37,7 @@ from meshspeed.checkpoint.paths import (
 from meshspeed.checkpoint.snapshot import RankSnapshot
 from meshspeed.checkpoint.tensorfile import Spec, TensorFileWriter, write_tensors
 from meshspeed.parallel.slices import Deferred
+from meshspeed.process.progress import progress
 
 log = logging.getLogger("meshspeed")
 
@@ -72,9 +74,13 @@ def stream_tensors(path: str, tensors: dict[str, torch.Tensor | Deferred]) -> tu
     """`write_tensors`, reading each Deferred right before writing it and dropping it after
     (Note [streaming swapped state] in snapshot.py); returns (file size, sha256)."""
     specs = [Spec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    with TensorFileWriter(path, specs) as w:
+    # an asynchronous save's thread reports nothing: the training loop owns the output
+    foreground = threading.current_thread() is threading.main_thread()
+    with TensorFileWriter(path, specs) as w, progress(len(specs) if foreground else 0, "checkpoint save",
+                                                      unit="tensor") as bar:
         for name, t in tensors.items():
             w.write(name, t.read() if isinstance(t, Deferred) else t)
+            bar.update()
     return w.nbytes, w.sha256
 
 

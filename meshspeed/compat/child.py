@@ -12,10 +12,12 @@ sys.argv and sys.path[0] set the same way, with the deepspeed alias already inst
 
 DeepSpeed prints its log at import: its logger writes INFO and above to stdout, and many
 scripts print nothing else (DeepSpeedExamples' pipeline example shows its progress only
-through the engine's `steps_per_print` lines). meshspeed as a library leaves logging to
-the program, so here, where the program was written for DeepSpeed, the "meshspeed" logger
-gets the same: INFO and above to stdout (`deepspeed_logging`), unless something configured
-it already.
+through the engine's `steps_per_print` lines). meshspeed as a library gives its logger a
+handler of its own at `initialize` only where the program configured none, and on rank 0
+only (Note [meshspeed's own handler] in meshspeed/process/speak.py); here, where the
+program was written for DeepSpeed, the "meshspeed" logger gets DeepSpeed's set-up instead,
+from the start and on every rank: INFO and above to stdout in DeepSpeed's format
+(`deepspeed_logging`), unless something configured it already.
 """
 
 from __future__ import annotations

@@ -64,6 +64,10 @@ class MeshspeedConfig(StrictModel):
     # time forward / backward / step / communication per step, printed every steps_per_print
     wall_clock_breakdown: bool = False
     dump_state: bool = False  # print the resolved config after initialize
+    # meshspeed's own key: the level of its log on rank 0 (banner, steps_per_print lines,
+    # progress); "warning" quiets them. MESHSPEED_LOG_LEVEL wins over it; None: "info"
+    # (meshspeed/process/speak.py, docs/observability.md)
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
     seed: Int | None = None
     prescale_gradients: bool = False  # divide gradients before (not after) reduction
     gradient_predivide_factor: PositiveFloat = 1.0  # divide by this before, the rest after
@@ -106,6 +110,11 @@ class MeshspeedConfig(StrictModel):
     @classmethod
     def _never(cls, value: Any) -> Any:
         return sys.maxsize if isinstance(value, float) and value == math.inf else value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="before")
     @classmethod

@@ -32,6 +32,7 @@ from meshspeed.config import ConfigError, MeshspeedConfig, load_config
 from meshspeed.config.composition import FEATURES, check, config_features
 from meshspeed.config.no_effect import report_no_effect
 from meshspeed.data.loader import distributed_dataloader
+from meshspeed.engine.banner import banner_lines, whole_param_count
 from meshspeed.engine.engine import MeshspeedEngine
 from meshspeed.engine.layout import (
     build_layout,
@@ -51,16 +52,17 @@ from meshspeed.optim.no_optimizer import NoOptimizer
 from meshspeed.optim.precision import build_scaler
 from meshspeed.optim.schedulers import build_scheduler
 from meshspeed.parallel import registry
-from meshspeed.parallel.protocol import HandsOver
 from meshspeed.parallel.activation_setup import configure_from_config
 from meshspeed.parallel.data.onebit import apply_onebit
 from meshspeed.parallel.pipeline.axis import apply_pp
 from meshspeed.parallel.pipeline.module import PipelineModule
+from meshspeed.parallel.protocol import HandsOver
 from meshspeed.parallel.sharding import apply_dp
 from meshspeed.parallel.zero.init_shards import cast_partitioned, check_initialised, is_partitioned
 from meshspeed.process.accelerator import get_accelerator
 from meshspeed.process.distributed import get_local_rank, get_local_world_size, init_distributed
 from meshspeed.process.malloc import tune_host_allocator
+from meshspeed.process.speak import speak
 from meshspeed.sequence.axis import apply_cp
 from meshspeed.tensor_parallel.axis import apply_tp
 
@@ -82,6 +84,7 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
     if device.type == "cpu":
         tune_host_allocator()  # Note [a fixed mmap threshold for CPU training]
     cfg = load_config(config, dp_world_size=None)  # parsed once; the batch triad waits for the mesh
+    speak(cfg.log_level)  # Note [meshspeed's own handler]
     mesh_degrees = mesh_param_degrees(mesh_param)
     degrees = requested_degrees(cfg, model, mesh_degrees)
     check(run_features(cfg, degrees, model, mpu))  # Note [one composition table]
@@ -104,6 +107,7 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
     if pipeline is not None:  # a rebind may bring layers listed on another stage: Note [model_parameters by name]
         selection = selection.joined(comm.all_gather_object(selection.named, group=mesh.group("pp")), model)
         selection.keep_frozen(model)
+    params = whole_param_count(model, mesh)  # for the banner, before tp splits the layers
     tp = apply_tp(model, mesh, cfg)
     context = apply_cp(model, mesh, cfg)
     module = _cast(model, device, cfg.precision_dtype)
@@ -141,10 +145,10 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
         probe.watch(module)  # the first forward gives the sequence length and ends the probe
     if cfg.checkpoint.auto_resume and cfg.checkpoint.dir is not None:
         engine.load_checkpoint(cfg.checkpoint.dir)  # Note [what auto_resume loads]: None on a first run
+    lines = banner_lines(engine, params)  # every rank: memory_breakdown may gather
     if comm.get_rank() == 0:
-        log.info("meshspeed: ZeRO stage %d, %s, %s, micro batch %d x accumulation %d",
-                 cfg.zero_stage, str(cfg.precision_dtype).replace("torch.", ""),
-                 describe_layout(mesh), cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+        for line in lines:
+            log.info("%s", line)
     return engine, opt, loader, scheduler
 
 

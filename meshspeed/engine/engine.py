@@ -20,6 +20,7 @@ from meshspeed import comm
 from meshspeed.checkpoint import engine_api
 from meshspeed.checkpoint.pending import wait_for_pending
 from meshspeed.engine.agreement import STEP_COUNTERS, agree
+from meshspeed.engine.banner import step_line
 from meshspeed.engine.errors import NoSyncError
 from meshspeed.engine.observe import StepObserver
 from meshspeed.engine.parts import Composed
@@ -275,9 +276,7 @@ class MeshspeedEngine(nn.Module):
         every = self.config.steps_per_print
         if self.global_steps % every or comm.get_rank() != 0:
             return
-        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
-        log.info("step %d: loss %.4f lr %s", self.global_steps, loss,
-                 ", ".join(f"{lr:.3g}" for lr in self.learning_rates()))
+        log.info("%s", step_line(self, self._last_loss, self._observer.window.take(self)))
         if self.comm_logger is not None:
             log.info("communication in the last %d steps:\n%s", every, self.comm_logger.format_table())
             self.comm_logger.reset()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 from meshspeed import comm
 from meshspeed.monitor.autotune_hooks import step_clock_from_env
@@ -39,6 +40,7 @@ class StepObserver:
         self.last_profile: str | None = None  # rank 0: the printed profile
         self.profile_figures: dict | None = None  # every rank: totals of the profiled step
         self.clock = step_clock_from_env()  # an autotuner trial's timed steps (monitor/autotune_hooks.py)
+        self.window = StepWindow()  # the steps_per_print line's throughput and step time
 
     @contextlib.contextmanager
     def phase(self, name: str, inputs: tuple = ()):
@@ -54,6 +56,7 @@ class StepObserver:
 
     def _before_forward(self, inputs: tuple) -> None:
         engine = self.engine
+        self.window.on_forward(inputs, engine)
         if self.figures is not None:
             self.figures.on_forward(inputs, engine.global_samples)
         if self.flops is not None and self.profiler is None and engine.global_steps == self.flops.profile_step:
@@ -65,9 +68,11 @@ class StepObserver:
         micro-batch inputs (None on stages that read none)."""
         first, *rest = list(micro_batches or [()])
         self._before_forward(first if isinstance(first, tuple) else (first,))
-        if self.figures is not None:
-            for mb in rest:
-                self.figures.tokens += count_tokens(mb if isinstance(mb, tuple) else (mb,))
+        for mb in rest:
+            tokens = count_tokens(mb if isinstance(mb, tuple) else (mb,))
+            self.window.tokens += tokens
+            if self.figures is not None:
+                self.figures.tokens += tokens
 
     def on_loss(self, loss) -> None:
         """A micro-step's loss (or the pipeline's mean loss of a batch)."""
@@ -111,3 +116,31 @@ class StepObserver:
         if self.timers is not None:
             self.timers.stop()
         self.monitor.close()
+
+
+class StepWindow:
+    """Tokens, samples, steps and wall time since the last `steps_per_print` line (from
+    the first forward, so the build is not counted)."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.tokens = 0
+        self.samples_at = self.steps_at = 0
+
+    def on_forward(self, inputs: tuple, engine) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+            self.samples_at, self.steps_at = engine.global_samples, engine.global_steps
+        self.tokens += count_tokens(inputs)
+
+    def take(self, engine) -> dict:
+        """The window's figures (tokens over every data-parallel rank, as the monitors
+        count them), and a new window from now."""
+        now = time.perf_counter()
+        out = {"seconds": now - self.started if self.started is not None else 0.0,
+               "steps": engine.global_steps - self.steps_at,
+               "samples": engine.global_samples - self.samples_at,
+               "tokens": self.tokens * engine.topology.size("dp")}
+        self.started, self.tokens = now, 0
+        self.samples_at, self.steps_at = engine.global_samples, engine.global_steps
+        return out

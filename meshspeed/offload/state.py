@@ -28,6 +28,7 @@ from meshspeed.config.errors import ConfigError
 from meshspeed.offload.aio import IoRequest, SwapEngine
 from meshspeed.offload.hostmem import ALIGN, host_empty, round_up
 from meshspeed.parallel.slices import Deferred
+from meshspeed.process.progress import progress
 
 _F32 = 4  # bytes per state element: optimizer state is fp32
 
@@ -251,9 +252,11 @@ class SwapStore:
         self.owner = None  # keeps the directory (a SwapDir) alive as long as the store
         self._check_space()
         if preallocate:  # fail now, not mid-step, if the files cannot be created
-            for sg in sub_groups:
-                for key in rule.state_keys:
-                    _preallocate(self.path(sg, key), sg.nbytes)
+            with progress(len(sub_groups) * len(rule.state_keys), "NVMe swap files", unit="file") as bar:
+                for sg in sub_groups:
+                    for key in rule.state_keys:
+                        _preallocate(self.path(sg, key), sg.nbytes)
+                        bar.update()
 
     def path(self, sg: SubGroup, key: str) -> str:
         return os.path.join(self.dir, f"sg{sg.index}.{key}.swp")

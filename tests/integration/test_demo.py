@@ -5,6 +5,7 @@ almost all of it process start-up (three interpreters importing torch, the rende
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from meshspeed.demo import memory_lines
+from meshspeed.demo import _check, add_arguments, memory_lines
 
 ROOT = Path(__file__).resolve().parents[2]  # this checkout: the ranks import meshspeed from here
 STEPS = 12
@@ -72,6 +73,11 @@ def test_demo_trains_and_prints_its_summary(tmp_path, stage, extra):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert f"ZeRO stage {stage}," in proc.stdout, out[-4000:]
+    # the whole model's parameters at every stage (stage 3 once counted its shard: 0.00M),
+    # in meshspeed's banner and the demo's line; and no progress-bar redraws in a log
+    assert "model 139,584 parameters (the whole model)" in proc.stdout, out[-4000:]
+    assert "0.14M parameters, 2 ranks" in proc.stdout, out[-4000:]
+    assert "\r" not in proc.stdout
     # training output, then the sampled text (free-form), then the summary
     training, rest = proc.stdout.split("--- sample (prompt 'def ') ---", 1)
     lines = _lines(rest.split("--- summary ---", 1)[1])
@@ -108,6 +114,16 @@ def test_offload_with_stage_0_is_refused_in_one_line(tmp_path):
     assert "--offload cpu" in err[0] and "--stage 1, 2 or 3" in err[0]
     assert "--offload none" in err[0]
     assert "training" not in proc.stdout  # refused before any rank started
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--nproc", "3", "--tp", "2"], "--tp 2 must divide --nproc (3) and --heads (4); e.g. --nproc 4 --tp 2"),
+    (["--nproc", "4", "--tp", "0"], "--nproc and --tp must be at least 1"),
+])
+def test_tp_options_are_checked_in_one_line(argv, expected):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert expected in _check(parser.parse_args(argv))
 
 
 def test_memory_lines_show_categories_and_the_nested_tiers():

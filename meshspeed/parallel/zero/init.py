@@ -49,6 +49,7 @@ from meshspeed.parallel.zero.init_spill import ChunkFile, nvme_path_from, offloa
 from meshspeed.parallel.zero.replay import Recorder, UninitialisedError, _is_meta
 from meshspeed.process.distributed import init_distributed
 from meshspeed.process.malloc import release_free_heap, tune_host_allocator
+from meshspeed.process.progress import progress
 
 
 class Init:
@@ -152,21 +153,11 @@ class Init:
 
     @torch.no_grad()
     def _materialize(self, root: nn.Module, recorder: Recorder, shards: InitShards) -> None:
-        for name, p in root.named_parameters():
-            if is_partitioned(p):
-                continue  # shared with a root built before
-            if _is_meta(p) and not recorder.is_recorded(p):
-                raise UninitialisedError(f"zero.Init: parameter {name!r} of {type(root).__name__} is a meta "
-                                         "tensor created outside the context; it has no values to partition")
-            pending = None
-            try:
-                full = recorder.value_of(p, transient=True) if _is_meta(p) else p.detach()
-            except UninitialisedError as err:  # Note [initialised after the build] in init_shards.py
-                pending = f"not written while the model is built under zero.Init ({err})"
-                full = recorder.value_of(p, transient=True, unwritten_as_zeros=True)
-            if _is_meta(p):
-                p = _make_real(root, p, full.dtype)
-            shards.adopt(p, full, self.dtype or full.dtype, pending=pending)
+        named = list(root.named_parameters())
+        with progress(len(named), "zero.Init: building the parameters", unit="tensor") as bar:
+            for name, p in named:
+                self._materialize_param(root, recorder, shards, name, p)
+                bar.update()
         replaced: dict[int, torch.Tensor] = {}
         for module in root.modules():
             for bname, b in list(module._buffers.items()):
@@ -178,6 +169,23 @@ class Init:
                         value = value.to(self.dtype)
                     replaced[id(b)] = value
                 module._buffers[bname] = replaced[id(b)]
+
+    def _materialize_param(self, root: nn.Module, recorder: Recorder, shards: InitShards, name: str,
+                           p: nn.Parameter) -> None:
+        if is_partitioned(p):
+            return  # shared with a root built before
+        if _is_meta(p) and not recorder.is_recorded(p):
+            raise UninitialisedError(f"zero.Init: parameter {name!r} of {type(root).__name__} is a meta "
+                                     "tensor created outside the context; it has no values to partition")
+        pending = None
+        try:
+            full = recorder.value_of(p, transient=True) if _is_meta(p) else p.detach()
+        except UninitialisedError as err:  # Note [initialised after the build] in init_shards.py
+            pending = f"not written while the model is built under zero.Init ({err})"
+            full = recorder.value_of(p, transient=True, unwritten_as_zeros=True)
+        if _is_meta(p):
+            p = _make_real(root, p, full.dtype)
+        shards.adopt(p, full, self.dtype or full.dtype, pending=pending)
 
 
 def _make_real(root: nn.Module, p: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:

@@ -18,7 +18,13 @@ from torch import nn
 from meshspeed import comm
 from meshspeed.parallel import registry
 from meshspeed.parallel.experts import ExpertSpec
-from meshspeed.parallel.protocol import ExternalParameters, GatheredCache, HandsOver, ParameterOwner, Strategy
+from meshspeed.parallel.protocol import (
+    ExternalParameters,
+    GatheredCache,
+    HandsOver,
+    ParameterOwner,
+    Strategy,
+)
 from meshspeed.parallel.readiness import ReadinessTracker
 from meshspeed.parallel.slices import OwnedSlice, ParamAccess
 from meshspeed.parallel.step import StepGradients
@@ -35,6 +41,7 @@ from meshspeed.parallel.zero.placement import DevicePlacement
 from meshspeed.parallel.zero.prefetch import Fetcher, Pass, attach_pre_backward
 from meshspeed.parallel.zero.stages import STAGES
 from meshspeed.parallel.zero.staging import StagingPool
+from meshspeed.process.progress import progress
 
 # Note [unit size for stages 1 and 2]
 # A unit is what one reduce-scatter and one all-gather move. Stage 2 holds the full
@@ -115,11 +122,13 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOve
             plan = split_experts(plan, experts.holds)  # units never mix expert and dense
         self.master_of: dict[int, nn.Parameter] = {}
         self.units: list[FlatUnit] = []
-        for u in plan.units:
-            # placed before the next is built (Note [units placed as they are built] in
-            # meshspeed/offload/placement.py): the init peak is one unit, not the model
-            self.units.append(self._make_unit(u, comm_dtype))
-            self.placement.unit_built(self, self.units[-1])
+        with progress(len(plan.units), f"ZeRO stage {stage}: building the units", unit="unit") as bar:
+            for u in plan.units:
+                # placed before the next is built (Note [units placed as they are built] in
+                # meshspeed/offload/placement.py): the init peak is one unit, not the model
+                self.units.append(self._make_unit(u, comm_dtype))
+                self.placement.unit_built(self, self.units[-1])
+                bar.update()
         self.master_of = {
             id(p): m for unit in self.units for p, m in zip(unit.params, unit.masters)
         }
