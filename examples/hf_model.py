@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
     parser.add_argument("--stage", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage (default 1)")
-    parser.add_argument("--print-every", type=int, default=5)
+    parser.add_argument("--print-every", type=int, default=5,
+                        help="the library prints a step line every N steps (steps_per_print; default 5)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed launchers
     args = parser.parse_args()
 
@@ -39,6 +40,7 @@ def main() -> None:
     train_set, _ = ByteWindows(stdlib_corpus(200_000), seq_len=64).split(0.98)
     config = {
         "train_micro_batch_size_per_gpu": 8,
+        "steps_per_print": args.print_every,  # rank 0 prints "[meshspeed] step N, loss X, ..."
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.stage},
@@ -57,9 +59,9 @@ def main() -> None:
         ids, _ = next(batches)  # transformers shifts the labels itself
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
-        engine.step()
-        if rank0 and (step % args.print_every == 0 or step == args.steps):
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+        engine.step()  # every --print-every steps the library prints the step's loss
+    if rank0 and args.steps % args.print_every:  # the last step fell between the library's lines
+        print(f"final loss {loss.item():.4f} after {step} steps", flush=True)
 
 
 if __name__ == "__main__":

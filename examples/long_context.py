@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--mode", default="ring_balanced", choices=["ring_balanced", "ring", "ulysses"],
                         help="how attention crosses the ranks (default ring_balanced)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    parser.add_argument("--print-every", type=int, default=5)
+    parser.add_argument("--print-every", type=int, default=5,
+                        help="the library prints a step line every N steps (steps_per_print; default 5)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed launchers
     args = parser.parse_args()
 
@@ -38,6 +39,7 @@ def main() -> None:
     train_set, _ = ByteWindows(stdlib_corpus(400_000), seq_len=args.seq_len).split(0.98)
     config = {
         "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": args.print_every,  # rank 0 prints "[meshspeed] step N, loss X, ..."
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 2},  # shards over dp x cp
@@ -55,9 +57,9 @@ def main() -> None:
         ids, targets = next(batches)  # whole sequences, (micro, seq_len)
         loss = engine(ids, targets)
         engine.backward(loss)
-        engine.step()
-        if rank0 and (step % args.print_every == 0 or step == args.steps):
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+        engine.step()  # every --print-every steps the library prints the step's loss
+    if rank0 and args.steps % args.print_every:  # the last step fell between the library's lines
+        print(f"final loss {loss.item():.4f} after {step} steps", flush=True)
 
 
 if __name__ == "__main__":

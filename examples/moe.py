@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=4, help="experts in the layer (default 4)")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree (default 2)")
     parser.add_argument("--top-k", type=int, default=2, choices=[1, 2], help="experts per token (default 2)")
-    parser.add_argument("--print-every", type=int, default=5)
+    parser.add_argument("--print-every", type=int, default=5,
+                        help="the library prints a step line every N steps (steps_per_print; default 5)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed launchers
     args = parser.parse_args()
 
@@ -57,6 +58,7 @@ def main() -> None:
     train_set, _ = ByteWindows(stdlib_corpus(200_000), seq_len=64).split(0.98)
     config = {
         "train_micro_batch_size_per_gpu": 8,
+        "steps_per_print": args.print_every,  # rank 0 prints "[meshspeed] step N, loss X, ..."
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 2},
@@ -73,10 +75,11 @@ def main() -> None:
         ids, targets = next(batches)
         loss = engine(ids, targets)
         engine.backward(loss)
-        engine.step()
+        engine.step()  # every --print-every steps the library prints the step's loss
         if rank0 and (step % args.print_every == 0 or step == args.steps):
-            counts = model.exp_counts.tolist()
-            print(f"step {step:4d}  loss {loss.item():.4f}  tokens per expert {counts}", flush=True)
+            print(f"step {step}: tokens per expert {model.exp_counts.tolist()}", flush=True)
+    if rank0 and args.steps % args.print_every:  # the last step fell between the library's lines
+        print(f"final loss {loss.item():.4f} after {step} steps", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--schedule", default="1f1b", help="1f1b, gpipe or zb-h1 (default 1f1b)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
-    parser.add_argument("--print-every", type=int, default=5)
+    parser.add_argument("--print-every", type=int, default=5,
+                        help="the library prints a step line every N steps (steps_per_print; default 5)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed launchers
     args = parser.parse_args()
 
@@ -37,6 +38,7 @@ def main() -> None:
     train_set, _ = ByteWindows(stdlib_corpus(200_000), seq_len=64).split(0.98)
     config = {
         "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": args.print_every,  # rank 0 prints "[meshspeed] step N, loss X, ..."
         "gradient_accumulation_steps": args.micro_batches,  # micro-batches in flight per step
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "gradient_clipping": 1.0,
@@ -51,8 +53,8 @@ def main() -> None:
     batches = iter(RepeatingLoader(loader))  # yields (ids, targets) micro-batches
     for step in range(1, args.steps + 1):
         loss = engine.train_batch(batches)  # reads --micro-batches of them; the mean loss on every rank
-        if rank0 and (step % args.print_every == 0 or step == args.steps):
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+    if rank0 and args.steps % args.print_every:  # the last step fell between the library's lines
+        print(f"final loss {loss.item():.4f} after {step} steps", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--save-dir", default="ckpt", help="checkpoint folder (default ckpt)")
     parser.add_argument("--save-every", type=int, default=20, help="save every N steps (default 20)")
     parser.add_argument("--resume", action="store_true", help="load the latest checkpoint in --save-dir first")
-    parser.add_argument("--print-every", type=int, default=5)
+    parser.add_argument("--print-every", type=int, default=5,
+                        help="the library prints a step line every N steps (steps_per_print; default 5)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed launchers
     args = parser.parse_args()
 
@@ -38,6 +39,7 @@ def main() -> None:
     train_set, _ = ByteWindows(stdlib_corpus(200_000), seq_len=64).split(0.98)
     config = {
         "train_micro_batch_size_per_gpu": 8,
+        "steps_per_print": args.print_every,  # rank 0 prints "[meshspeed] step N, loss X, ..."
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3}},
         "gradient_clipping": 1.0,
@@ -57,12 +59,12 @@ def main() -> None:
         loss = engine(ids, targets)
         engine.backward(loss)
         engine.step()
-        step = engine.global_steps
-        if comm.get_rank() == 0 and (step % args.print_every == 0 or step == last):
-            print(f"step {step:4d}  loss {loss.item():.4f}  lr {engine.get_lr()[0]:.2e}", flush=True)
+        step = engine.global_steps  # the library prints loss and lr every --print-every steps
         if step % args.save_every == 0 or step == last:
             engine.save_checkpoint(args.save_dir)  # every rank writes its shards
     if comm.get_rank() == 0:
+        if args.steps and step % args.print_every:  # the last step fell between the library's lines
+            print(f"final loss {loss.item():.4f} after {step} steps", flush=True)
         print(f"saved {args.save_dir} at step {engine.global_steps}", flush=True)
 
 

@@ -31,6 +31,7 @@ def file_bytes(folder: str) -> int:
 def train(args, nvme_path: str) -> None:
     config = {
         "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": args.print_every,  # rank 0 prints "[meshspeed] step N, loss X, ..."
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
@@ -52,9 +53,9 @@ def train(args, nvme_path: str) -> None:
         ids, targets = next(batches)
         loss = engine(ids, targets)
         engine.backward(loss)
-        engine.step()
-        if rank0 and (step % args.print_every == 0 or step == args.steps):
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+        engine.step()  # every --print-every steps the library prints the step's loss
+    if rank0 and args.steps % args.print_every:  # the last step fell between the library's lines
+        print(f"final loss {loss.item():.4f} after {step} steps", flush=True)
     comm.barrier()  # every rank's files are written before rank 0 measures the folder
     if rank0:
         split = {k: v for k, v in engine.memory_breakdown().items() if isinstance(v, dict)}
@@ -70,7 +71,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default=None, metavar="DIR",
                         help="an existing folder for the swap files (default: a temporary folder)")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-    parser.add_argument("--print-every", type=int, default=2)
+    parser.add_argument("--print-every", type=int, default=2,
+                        help="the library prints a step line every N steps (steps_per_print; default 2)")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # DeepSpeed launchers
     args = parser.parse_args()
 
