@@ -50,7 +50,15 @@ from meshspeed.autotune.trial import TuneError, substitute
 from meshspeed.autotune.tuner import autotune
 from meshspeed.compat.install import write_shim
 from meshspeed.config import ConfigError
-from meshspeed.launcher import ds_launcher, elastic, failures, multinode, remote_run, rounds, slurm_hosts
+from meshspeed.launcher import (
+    ds_launcher,
+    elastic,
+    failures,
+    multinode,
+    remote_run,
+    rounds,
+    slurm_hosts,
+)
 from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError
 from meshspeed.launcher.remote_plan import RemoteJob
 

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(stop.code, file=sys.stderr)
             sys.exit(1)
         raise
-    except BaseException as exc:  # noqa: BLE001 - every uncaught exception is the rank's failure
+    except BaseException as exc:  # every uncaught exception is the rank's failure
         if not folder:
             raise
         if _restarts_left(os.environ):  # torchrun starts the job again: say it now, as Python would
