@@ -17,7 +17,7 @@ from meshspeed.autotune import space, trial
 from meshspeed.autotune.report import Trial, write
 from meshspeed.autotune.trial import TuneError
 from meshspeed.config import MeshspeedConfig, load_config
-from meshspeed.planner.model_spec import PlanModel
+from meshspeed.planner.model_spec import PlanModel, check_keys
 
 
 def _precision(parsed: MeshspeedConfig) -> str:
@@ -75,6 +75,8 @@ def autotune(script: str, script_args: list[str], *, config: str | None = None, 
 
     facts = _probe(script, script_args, user, exps, timeout) if model is None else {
         "model_config": json.loads(Path(model).read_text()), "seq_len": None}
+    if model is not None:
+        check_keys(facts["model_config"], model)  # a typo ('n_layers') named, with the key meant
     seq = seq_len or facts.get("seq_len") or facts["model_config"].get("max_seq_len")
     if not seq:
         raise TuneError("the sequence length is unknown (the probe saw no forward); give --seq-len")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from meshspeed.cli import main as cli_main
 from meshspeed.config import load_config
 from meshspeed.models.gpt import GPT, GPTConfig
-from meshspeed.planner import plan
+from meshspeed.planner import model_spec, plan
 from meshspeed.planner.candidates import enumerate_candidates, why_not
 from meshspeed.planner.cost import Candidate, memory, rank_params, step_time
 from meshspeed.planner.estimate import estimate_memory
@@ -73,6 +74,21 @@ def test_hugging_face_config_json(tmp_path):
     assert PlanModel.from_any(str(path)).num_params == sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="is not a file"):
         PlanModel.from_any(str(tmp_path / "missing.json"))
+
+
+def test_a_config_json_with_a_typo_names_the_key_and_the_one_meant(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({**{k: v for k, v in TINY.items() if k != "n_layer"}, "n_layers": 2}))
+    with pytest.raises(ValueError, match=re.escape(f"unknown key 'n_layers' in {path}; did you mean 'n_layer'? "
+                                                   "known keys: vocab_size, max_seq_len, n_layer,")):
+        PlanModel.from_any(str(path))
+    # a Hugging Face config has many keys the planner does not read: a size it lacks is named
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layer": 2, "hidden_size": 64,
+                                "num_attention_heads": 4, "vocab_size": 320, "rope_scaling": None}))
+    with pytest.raises(ValueError, match=re.escape("has no 'num_hidden_layers' (meshspeed's n_layer); "
+                                                   "did you mean 'num_hidden_layer'?")):
+        PlanModel.from_any(str(path))
+    assert set(model_spec.KNOWN_KEYS) == {f.name for f in dataclasses.fields(GPTConfig)}
 
 
 @pytest.mark.parametrize("fields", [TINY, MOE])
