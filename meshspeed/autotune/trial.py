@@ -138,4 +138,5 @@ def read_metrics(prefix: Path, nproc: int) -> dict[str, float] | None:
     figures = [json.loads(p.read_text()) for p in ranks]
     return {"step_seconds": figures[0]["step_seconds"],
             "samples_per_second": figures[0]["samples_per_second"],
-            "peak_memory_bytes": max(f["peak_memory_bytes"] for f in figures)}
+            "peak_memory_bytes": max(f["peak_memory_bytes"] for f in figures),
+            "step_times": figures[0].get("step_times", [])}
