@@ -271,6 +271,19 @@ def test_ulysses_traffic_is_four_all_to_alls_each_way():
     assert t["cp"] == pytest.approx(TINY["n_layer"] * 2 * 4 * hw.intra.ring(2, act))
 
 
+def test_plot_legends_are_below_the_bars():
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from meshspeed.planner.plot import figure
+
+    fig = figure(plan(TINY, 4, "80GB", global_batch=8, seq_len=64), top=4)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    for ax in fig.axes:  # the legend's top edge is under the axes' bottom edge (and tick labels)
+        legend, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert legend.y1 <= frame.y0, (legend, frame)
+
+
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
     import sys
 
