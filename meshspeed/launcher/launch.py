@@ -250,7 +250,7 @@ def with_rank_entry(argv: list[str]) -> list[str]:
     uncaught exception for the report at the end (failures.py). A program that is not
     Python (--no-python) is started as it is."""
     launcher_tokens, target, parsed = _split(argv)
-    if parsed.no_python:
+    if parsed.no_python or parsed.run_path:  # --run-path: torchrun runs the script in-process
         return argv
     options = [t for t in launcher_tokens if t not in ("-m", "--module")]
     return [*options, "-m", "meshspeed.launcher.rank_entry", *(["-m"] if parsed.module else []), *target]
@@ -263,8 +263,8 @@ def target_problem(argv: list[str]) -> str | None:
     _, target, parsed = _split(argv)
     name = target[0]
     if parsed.no_python:
-        if os.sep in name and not os.access(name, os.X_OK):
-            return f"{name} is not an executable file; check the path (--no-python runs it as a program)"
+        if shutil.which(name) is None:
+            return f"the program {name} is not an executable file or on PATH; check the name (--no-python runs it as a program)"
         return None
     if parsed.module:
         if name == "meshspeed.compat.child":  # --deepspeed-compat: its flags, then the user's target

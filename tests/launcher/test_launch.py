@@ -76,6 +76,7 @@ def test_missing_script_is_a_usage_error(capsys):
         (["nosuch.py"], "meshspeed run: the script nosuch.py does not exist"),
         (["--deepspeed-compat", "nosuch.py", "--deepspeed"], "meshspeed run: the script nosuch.py does not exist"),
         (["-m", "nosuch_pkg.train"], "meshspeed run: no module named 'nosuch_pkg' (from -m nosuch_pkg.train)"),
+        (["--no-python", "nosuch_program"], "meshspeed run: the program nosuch_program is not an executable file"),
     ],
 )
 def test_a_missing_target_is_found_before_any_process_starts(argv, expected, capsys, monkeypatch):
