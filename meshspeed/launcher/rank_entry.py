@@ -31,11 +31,36 @@ def _script_frames(tb):
     return tb
 
 
+def _is_usage_error(exc: BaseException) -> bool:
+    """meshspeed's one-sentence errors about the user's config or arguments (ConfigError and
+    its kind): the frames inside meshspeed say nothing the sentence does not."""
+    return any(c.__name__ == "ConfigError" and c.__module__.startswith("meshspeed.") for c in type(exc).__mro__)
+
+
+def _traceback_text(exc: BaseException) -> str:
+    """The traceback without the cause line(s) at its end; for a usage error, only down to
+    the last frame outside meshspeed (the user's call)."""
+    tb = _script_frames(exc.__traceback__)
+    if _is_usage_error(exc):
+        frames = traceback.extract_tb(tb)
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+        user = [i for i, f in enumerate(frames) if not f.filename.startswith(package)]
+        if user:
+            hidden = len(frames) - user[-1] - 1
+            return ("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames[: user[-1] + 1]))
+                    + (f"  ... {hidden} frame{'s' * (hidden > 1)} in meshspeed\n" if hidden else ""))
+    full = traceback.format_exception(type(exc), exc, tb)
+    return "".join(full[: len(full) - len(traceback.format_exception_only(type(exc), exc))])
+
+
+def cause_of(exc: BaseException) -> str:
+    """`ValueError: tensor_parallel.autotp_size 3 ...`, on one line (the class without its module)."""
+    message = str(exc)
+    return one_line(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
+
+
 def _record(folder: str, exc: BaseException) -> None:
-    cause = one_line("".join(traceback.format_exception_only(type(exc), exc)))
-    full = traceback.format_exception(type(exc), exc, _script_frames(exc.__traceback__))
-    frames = "".join(full[:-1]) if full else ""  # the last item is the cause line
-    write_record(folder, os.environ, cause, frames)
+    write_record(folder, os.environ, cause_of(exc), _traceback_text(exc))
 
 
 def _restarts_left(environ) -> bool:

@@ -55,3 +55,18 @@ def test_ssh_run_keeps_a_hosts_cause_for_the_last_line():
     printer.pump(stream, out, "node1")
     assert out.buffer.getvalue() == b"[node1 r3] up\n"
     assert printer.causes == {"node1": "meshspeed run: rank 3 on node1 failed first: ValueError: bad"}
+
+
+def test_a_config_error_keeps_the_users_frames_only(tmp_path, monkeypatch):
+    script = tmp_path / "cfg.py"
+    script.write_text("from meshspeed.config import load_config\nload_config({'train_batch_sise': 8})\n")
+    monkeypatch.setenv(failures.ERRORS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        rank_entry.main([str(script)])
+    except SystemExit as stop:
+        assert stop.code == 1
+    (record,) = failures.read_records(str(tmp_path))
+    assert record.cause.startswith("ConfigError: ") and "train_batch_sise" in record.cause
+    assert record.traceback.splitlines()[1].endswith('cfg.py", line 2, in <module>'), record.traceback
+    assert record.traceback.rstrip().endswith("in meshspeed"), record.traceback
