@@ -21,6 +21,12 @@ Several hosts start from one command (docs/multinode.md)::
 
     meshspeed run --hostfile hostfile [--launcher ssh|pdsh|openmpi|slurm] train.py
 
+Before any process starts, the script (or -m module) is checked. Each rank runs under
+rank_entry.py, and a failed job ends with the first failing rank's cause as the last line,
+once, in place of torchrun's failure block (failures.py)::
+
+    meshspeed run: rank 1 failed first: ConfigError: tensor_parallel.autotp_size: 3 does not ...
+
 multinode.py makes the job, remote_plan.py its commands, remote_run.py runs them; inside a
 Slurm allocation the hosts are its nodes (slurm_hosts.py). ``--nnodes MIN:MAX`` with
 --master_addr is made into the c10d rendezvous (elastic.py).
