@@ -8,17 +8,26 @@ TORCH := torch==2.13.0
 
 .PHONY: demo test install install-dev
 
+# Each phase says what it does before pip starts: pip -q is silent for a minute or more,
+# and without -q it prints a hundred lines of "Requirement already satisfied".
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	@echo "make: creating the virtual environment $(VENV) ($(PYTHON) -m venv)"
+	@$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.core-installed: pyproject.toml | $(PY)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install -q --disable-pip-version-check -e .
-	touch $@
+	@echo "make: installing $(TORCH) first (pinned, so pip takes a CPU wheel from your index or --find-links, not a multi-GB CUDA build; a minute or two)..."
+	@$(PIP) $(TORCH)
+	@echo "make: installing meshspeed (editable, from .) and its dependencies (pydantic, safetensors, ...)..."
+	@$(PIP) -e .
+	@touch $@
+	@echo "make: installed; $(VENV)/bin/meshspeed is ready"
 
 $(VENV)/.dev-installed: pyproject.toml $(VENV)/.core-installed
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
-	touch $@
+	@echo "make: installing the test dependencies (meshspeed[dev]: pytest, hypothesis, ...)..."
+	@$(PIP) -e '.[dev]'
+	@touch $@
 
 install: $(VENV)/.core-installed
 install-dev: $(VENV)/.dev-installed

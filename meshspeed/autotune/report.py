@@ -26,6 +26,7 @@ class Trial:
     tokens_per_second: float | None = None
     flops_per_second: float | None = None
     peak_memory_bytes: int | None = None
+    step_times: list[float] = field(default_factory=list)  # rank 0's timed steps, one by one
     config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def score(self, metric: str) -> float | None:
@@ -54,12 +55,18 @@ def table(trials: list[Trial], best: Trial | None) -> str:
     return "\n".join([head, *rows])
 
 
-def write(results: Path, trials: list[Trial], best: Trial | None, metric: str, facts: dict) -> str:
+def write(results: Path, trials: list[Trial], best: Trial | None, metric: str, facts: dict,
+          noise: str = "") -> str:
+    """`noise`: pick.py's sentence when the top trials are within noise of each other."""
     text = table(trials, best)
-    verdict = (f"Fastest by {metric}: **{best.layout}** (best_config.json)." if best else
-               "No trial finished; no best_config.json was written.")
+    if best is None:
+        verdict = "No trial finished; no best_config.json was written."
+    elif noise:
+        verdict = f"Kept **{best.layout}** (best_config.json); the top trials are {noise}."
+    else:
+        verdict = f"Fastest by {metric}: **{best.layout}** (best_config.json)."
     (results / "summary.md").write_text(f"# meshspeed autotune\n\n{verdict}\n\n{text}\n")
-    data = {"metric": metric, "best": best.name if best else None, "model": facts,
+    data = {"metric": metric, "best": best.name if best else None, "within_noise": noise or None, "model": facts,
             "trials": [{k: v for k, v in asdict(t).items() if k != "config"} for t in trials]}
     (results / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
     return f"{text}\n\n{verdict}"

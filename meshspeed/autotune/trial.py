@@ -86,7 +86,13 @@ def _reason(rc: int, log: str) -> str:
     low = log.lower()
     if "out of memory" in low or "outofmemoryerror" in low or rc in (-9, 137):
         return f"out of memory (exit {rc})"
-    errors = [line.strip() for line in log.splitlines() if "Error" in line and ":" in line]
+    lines = log.splitlines()
+    # meshspeed run's last line names the first failing rank's cause (launcher/failures.py,
+    # a layer above this one)
+    first = [line for line in lines if line.startswith("meshspeed run: rank ") and " failed first: " in line]
+    if first:
+        return f"exit {rc}: {first[-1].split(' failed first: ', 1)[1][:300]}"
+    errors = [line.strip() for line in lines if "Error" in line and ":" in line]
     # torchrun's own summary lines name the child, not the error: prefer the script's line
     errors = [e for e in errors if "ChildFailedError" not in e] or errors
     return f"exit {rc}: {errors[-1][:300]}" if errors else f"exit {rc}"
@@ -132,4 +138,5 @@ def read_metrics(prefix: Path, nproc: int) -> dict[str, float] | None:
     figures = [json.loads(p.read_text()) for p in ranks]
     return {"step_seconds": figures[0]["step_seconds"],
             "samples_per_second": figures[0]["samples_per_second"],
-            "peak_memory_bytes": max(f["peak_memory_bytes"] for f in figures)}
+            "peak_memory_bytes": max(f["peak_memory_bytes"] for f in figures),
+            "step_times": figures[0].get("step_times", [])}

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from meshspeed.autotune import space, trial
+from meshspeed.autotune.pick import pick, step_range
 from meshspeed.autotune.report import Trial, write
 from meshspeed.autotune.trial import TuneError
 from meshspeed.config import MeshspeedConfig, load_config
-from meshspeed.planner.model_spec import PlanModel
+from meshspeed.planner.model_spec import PlanModel, check_keys
 
 
 def _precision(parsed: MeshspeedConfig) -> str:
@@ -73,8 +74,12 @@ def autotune(script: str, script_args: list[str], *, config: str | None = None, 
     for old in [*exps.glob("trial*"), *exps.glob("probe*")]:  # only what an earlier search wrote
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
+    if model is None:
+        say(f"probing {script}: one short run on 1 process reads the model and the sequence length")
     facts = _probe(script, script_args, user, exps, timeout) if model is None else {
         "model_config": json.loads(Path(model).read_text()), "seq_len": None}
+    if model is not None:
+        check_keys(facts["model_config"], model)  # a typo ('n_layers') named, with the key meant
     seq = seq_len or facts.get("seq_len") or facts["model_config"].get("max_seq_len")
     if not seq:
         raise TuneError("the sequence length is unknown (the probe saw no forward); give --seq-len")
@@ -94,33 +99,39 @@ def autotune(script: str, script_args: list[str], *, config: str | None = None, 
         raise TuneError(f"the planner found no layout of this model on {nproc} ranks that fits "
                         f"{space.machine_memory(nproc) / 1e9:.1f} GB each within the autotuning bounds")
     flops_per_token = PlanModel.from_any(facts["model_config"]).train_flops_per_token
+    say(f"{len(choices)} trial(s) on {nproc} process(es), each timing optimizer steps {start + 1}-{end}; "
+        f"results in {results_dir}")
     trials, best, since = [], None, 0
     for i, ch in enumerate(choices):
+        progress = f"trial {i + 1}/{len(choices)}: {ch.candidate.label()}"
         if since >= tune.tuner_early_stopping:  # no better layout in the last trials: stop
             t = Trial(_name(i, ch), ch.candidate.label(), space.layout_keys(ch),
                       ch.step_time, ch.memory["total"], status="skipped",
                       reason=f"early stopping: {since} trials without a better one")
             trials.append(t)
+            say(f"{progress}: skipped ({t.reason})")
             continue
+        say(f"{progress} (predicted {ch.step_time:.3g} s/step) ...")
         t = _measure(i, ch, user, script, script_args, tune, nproc, exps, start, end, timeout, int(seq),
                      flops_per_token)
         trials.append(t)
-        print(f"meshspeed autotune: {t.name}: {t.status} {t.reason}".rstrip(), flush=True)
+        say(f"{progress}: {_outcome(t)}")
         if t.status != "ok":
             continue
         if best is None or t.score(tune.metric) > best.score(tune.metric):
             best, since = t, 0
         else:
             since += 1
+    best, noise = pick(trials, tune.metric)
     results_dir.mkdir(parents=True, exist_ok=True)
     if best is not None:
         (results_dir / "best_config.json").write_text(json.dumps(best.config, indent=2) + "\n")
     else:
         (results_dir / "best_config.json").unlink(missing_ok=True)
-    text = write(results_dir, trials, best, tune.metric, {**facts, "seq_len": int(seq)})
+    text = write(results_dir, trials, best, tune.metric, {**facts, "seq_len": int(seq)}, noise)
     print(text, flush=True)
     return {"best": best, "trials": trials, "best_config": best.config if best else None, "table": text,
-            "results_dir": str(results_dir)}
+            "within_noise": noise, "results_dir": str(results_dir)}
 
 
 def _measure(i, choice, user, script, script_args, tune, nproc, exps, start, end, timeout, seq, flops_per_token):
@@ -145,10 +156,23 @@ def _measure(i, choice, user, script, script_args, tune, nproc, exps, start, end
         return t
     t.status = "ok"
     t.step_seconds, t.samples_per_second = figures["step_seconds"], figures["samples_per_second"]
-    t.peak_memory_bytes = figures["peak_memory_bytes"]
+    t.peak_memory_bytes, t.step_times = figures["peak_memory_bytes"], figures["step_times"]
     t.tokens_per_second = t.samples_per_second * seq
     t.flops_per_second = t.tokens_per_second * flops_per_token(seq, recompute=choice.candidate.checkpointing)
     return t
+
+
+def say(line: str) -> None:
+    """A progress line: trials take minutes each, and the search should not look stuck."""
+    print(f"meshspeed autotune: {line}", flush=True)
+
+
+def _outcome(t: Trial) -> str:
+    if t.status != "ok":
+        return f"{t.status}: {t.reason}"
+    r = step_range(t)
+    spread = f" (single steps {r[0]:.3g}-{r[1]:.3g} s)" if r else ""
+    return f"{t.step_seconds:.3g} s/step{spread}, {t.samples_per_second:.3g} samples/s, peak {t.peak_memory_bytes / 2**20:.0f} MB"
 
 
 def _name(i: int, choice) -> str:

@@ -18,6 +18,7 @@ from meshspeed.parallel.pipeline.module import PipelineModule
 from meshspeed.process.distributed import describe_world
 from meshspeed.tensor_parallel.axis import check_requested_group, tp_degree
 from meshspeed.topology import ParallelDims, Topology, build_topology, topology_from_mpu
+from meshspeed.topology.degrees import launch_hint
 
 __all__ = ["Degrees", "build_layout", "describe_layout", "mesh_param_degrees", "requested_degrees"]
 
@@ -77,12 +78,12 @@ def build_layout(config: MeshspeedConfig, degrees: Degrees, mpu: Any, device: to
         what = (f"tensor_parallel.autotp_size: {tp}" + (f" x {pp} pipeline stages" if pp > 1 else "")
                 + (f" x context parallel size {cp}" if cp > 1 else ""))
         raise ConfigError([(f"{what} does not divide the world size {world} ({describe_world()}); "
-                           f"launch a multiple of {tp * pp * cp} processes")])
+                           f"{launch_hint(tp * pp * cp, world)}")])
     dp_size = world // (tp * pp * cp)
     if dp_size % ep:
         raise ConfigError([(f"MoE ep_size {ep} does not divide the data-parallel size {dp_size} "
                            f"({world} ranks / tensor, pipeline and context degrees); use an ep_size "
-                           f"that divides {dp_size}, or launch a multiple of {tp * pp * cp * ep} processes")])
+                           f"that divides {dp_size}, or {launch_hint(tp * pp * cp * ep, world)}")])
     topology = build_topology(ParallelDims(world, tp=tp, pp=pp, cp=cp, ep=ep), device_type=device.type)
     for what, want in (("initialize(mesh_param=...)", mesh[0] if mesh else None),
                        ("data_parallel_size", config.data_parallel_size)):

@@ -59,6 +59,7 @@ from meshspeed.inference.zero_inference import partition_for_inference
 from meshspeed.process.distributed import init_distributed
 from meshspeed.tensor_parallel.apply import apply_tensor_parallel, default_plan
 from meshspeed.topology import ParallelDims, build_topology
+from meshspeed.topology.degrees import launch_hint
 
 log = logging.getLogger("meshspeed")
 
@@ -184,7 +185,7 @@ def _build_topology(model: nn.Module, tp: int, device: torch.device):
     if world % tp:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ConfigError(f"tensor_parallel.tp_size {tp} does not divide the world size {world}; "
-                          f"use one of {divisors} or launch a multiple of {tp} processes")
+                          f"use one of {divisors} or {launch_hint(tp, world)}")
     check_heads(model, tp)
     return build_topology(ParallelDims(world, tp=tp), device_type=device.type)
 

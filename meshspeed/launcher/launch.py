@@ -21,6 +21,12 @@ Several hosts start from one command (docs/multinode.md)::
 
     meshspeed run --hostfile hostfile [--launcher ssh|pdsh|openmpi|slurm] train.py
 
+Before any process starts, the script (or -m module) is checked. Each rank runs under
+rank_entry.py, and a failed job ends with the first failing rank's cause as the last line,
+once, in place of torchrun's failure block (failures.py)::
+
+    meshspeed run: rank 1 failed first: ConfigError: tensor_parallel.autotp_size: 3 does not ...
+
 multinode.py makes the job, remote_plan.py its commands, remote_run.py runs them; inside a
 Slurm allocation the hosts are its nodes (slurm_hosts.py). ``--nnodes MIN:MAX`` with
 --master_addr is made into the c10d rendezvous (elastic.py).
@@ -30,6 +36,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.machinery
+import importlib.util
+import itertools
 import os
 import shutil
 import sys
@@ -47,7 +56,15 @@ from meshspeed.autotune.trial import TuneError, substitute
 from meshspeed.autotune.tuner import autotune
 from meshspeed.compat.install import write_shim
 from meshspeed.config import ConfigError
-from meshspeed.launcher import ds_launcher, elastic, multinode, remote_run, rounds, slurm_hosts
+from meshspeed.launcher import (
+    ds_launcher,
+    elastic,
+    failures,
+    multinode,
+    remote_run,
+    rounds,
+    slurm_hosts,
+)
 from meshspeed.launcher.ds_launcher import DeepSpeedFlags, LaunchError
 from meshspeed.launcher.remote_plan import RemoteJob
 
@@ -234,6 +251,45 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     return launch_plan(args).argv
 
 
+def with_rank_entry(argv: list[str]) -> list[str]:
+    """torchrun's `argv` with each rank started under rank_entry.py, which records an
+    uncaught exception for the report at the end (failures.py). A program that is not
+    Python (--no-python) is started as it is."""
+    launcher_tokens, target, parsed = _split(argv)
+    if parsed.no_python or parsed.run_path:  # --run-path: torchrun runs the script in-process
+        return argv
+    options = [t for t in launcher_tokens if t not in ("-m", "--module")]
+    return [*options, "-m", "meshspeed.launcher.rank_entry", *(["-m"] if parsed.module else []), *target]
+
+
+def target_problem(argv: list[str]) -> str | None:
+    """What is wrong with the script (or -m module) torchrun's `argv` names, in one
+    sentence, before any process starts; None when it can be run. A module is looked up
+    by its top-level package only: finding a submodule would import its packages here."""
+    _, target, parsed = _split(argv)
+    name = target[0]
+    if parsed.no_python:
+        if shutil.which(name) is None:
+            return f"the program {name} is not an executable file or on PATH; check the name (--no-python runs it as a program)"
+        return None
+    if parsed.module:
+        if name == "meshspeed.compat.child":  # --deepspeed-compat: its flags, then the user's target
+            flags = list(itertools.takewhile(lambda t: t in ("--module", "--no-local-rank"), target[1:]))
+            user = target[1 + len(flags):]
+            return target_problem(["-m", *user] if "--module" in flags else user) if user else None
+        top = name.split(".")[0]
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is not None \
+                    or importlib.util.find_spec(top) is not None:
+                return None
+        return (f"no module named {top!r} (from -m {name}) in the working directory or on "
+                f"PYTHONPATH; check the name, or run from the folder that holds it")
+    if not os.path.isfile(name):
+        what = "is a folder, not a script" if os.path.isdir(name) else "does not exist"
+        return f"the script {name} {what} (working directory {os.getcwd()}); check the path"
+    return None
+
+
 @contextlib.contextmanager
 def _launch_environment(env: dict[str, str], compat: bool):
     """`env` set for the launched processes (torchrun passes ours on), and with --deepspeed-compat
@@ -284,6 +340,14 @@ def _autotune_first(args: argparse.Namespace) -> int | None:
     return None
 
 
+def _torchrun_cause(failure: ChildFailedError) -> tuple[int, str]:
+    """(rank, how it ended) of the first rank that failed by itself: torchrun stops the
+    others with SIGTERM, and those are not the cause."""
+    own = {r: f for r, f in failure.failures.items() if f.signal_name() != "SIGTERM"} or failure.failures
+    rank = min(own, key=lambda r: own[r].timestamp)
+    return rank, failures.fallback_cause(own[rank].exitcode, own[rank].signal_name() if own[rank].exitcode < 0 else None)
+
+
 def main(args: argparse.Namespace) -> int:
     if not args.script:
         print("meshspeed run: missing the training script (meshspeed run [options] "
@@ -299,11 +363,18 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if launch.remote is not None:
         return remote_run.run(launch.remote)
+    problem = target_problem(launch.argv)
+    if problem is not None:
+        print(f"meshspeed run: {problem}", file=sys.stderr)
+        return 2
+    errors_dir = tempfile.mkdtemp(prefix="meshspeed-run-errors-")
     try:
-        with _launch_environment(launch.env, compat=launch.compat):
-            torchrun_main(rounds.install(launch.argv))  # Note [the agents number the attempts]
+        with _launch_environment({**launch.env, failures.ERRORS_DIR_ENV: errors_dir}, compat=launch.compat):
+            torchrun_main(rounds.install(with_rank_entry(launch.argv)))  # Note [the agents number the attempts]
     except ChildFailedError as failure:  # torchrun's own entry point exits 1 here too
-        print(failure, file=sys.stderr)
+        sys.stdout.flush()
+        print("\n".join(failures.report(failures.read_records(errors_dir), _torchrun_cause(failure))),
+              file=sys.stderr, flush=True)
         return 1
     except SignalException as signal_exc:  # the agent was told to stop; children are down
         return 128 + int(signal_exc.sigval)
@@ -311,5 +382,7 @@ def main(args: argparse.Namespace) -> int:
         if not str(err).startswith("meshspeed:"):
             print(f"meshspeed run: the hosts did not meet: {err}", file=sys.stderr)
         return 1
+    finally:
+        shutil.rmtree(errors_dir, ignore_errors=True)
     return 0
 

@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshspeed.launcher import preflight, remote_plan
+from meshspeed.launcher import failures, preflight, remote_plan
 from meshspeed.launcher.remote_plan import RemoteJob
 
 PREFLIGHT_TIMEOUT_S = 60
@@ -71,14 +71,22 @@ def check_hosts(job: RemoteJob) -> str | None:
 
 
 class _Printer:
-    """Writes lines of several hosts to our stdout/stderr, whole lines at a time."""
+    """Writes lines of several hosts to our stdout/stderr, whole lines at a time. A host's
+    last line naming its first failing rank (failures.py) is kept back in `causes`: the
+    job's report ends with the failed host's one, once (SshRun.run)."""
 
     def __init__(self):
         self.lock = threading.Lock()
+        self.causes: dict[str, str] = {}
 
     def pump(self, stream, out, host: str) -> None:
         mine = f"[{host} r".encode()
         for line in iter(stream.readline, b""):
+            text = line.decode(errors="replace").rstrip("\n")
+            if text.startswith(failures.FIRST_PREFIX) and failures.FIRST_MARK in text:
+                rank, cause = text.removeprefix(failures.FIRST_PREFIX).split(failures.FIRST_MARK, 1)
+                self.causes[host] = failures.first_line(rank, cause, host)
+                continue
             if not line.startswith(mine):
                 line = f"[{host}] ".encode() + line
             with self.lock:
@@ -162,6 +170,8 @@ class SshRun:
             host, status = self.failed
             what = "could not be reached over ssh" if status == 255 else f"failed with exit status {status}"
             _say(f"the job failed: {host} {what}")
+            if host in printer.causes:  # the cause last (Note [the first failure is the cause])
+                print(printer.causes[host], file=sys.stderr, flush=True)
             return status
         return 0
 

@@ -104,16 +104,21 @@ class StepClock:
         step = engine.global_steps
         if step == self.start:
             self._sync(engine)
-            self.t0 = time.perf_counter()
-        elif step == self.end and self.t0 is not None:
+            self.t0 = self.last = time.perf_counter()
+            self.times: list[float] = []  # each timed step: the tuner's measure of noise
+        elif self.t0 is not None and self.start < step <= self.end:
             self._sync(engine)
-            seconds = (time.perf_counter() - self.t0) / (self.end - self.start)
+            now = time.perf_counter()
+            self.times.append(now - self.last)
+            self.last = now
+        if step == self.end and self.t0 is not None:
+            seconds = (self.last - self.t0) / (self.end - self.start)
             rank = comm.get_rank() if comm.is_initialized() else 0
             figures = {"rank": rank, "step_seconds": seconds,
                        "samples_per_second": engine.config.train_batch_size / seconds,
                        "train_batch_size": engine.config.train_batch_size,
                        "peak_memory_bytes": _peak_bytes(engine.device),
-                       "steps": [self.start, self.end]}
+                       "steps": [self.start, self.end], "step_times": self.times}
             Path(f"{self.prefix}.rank{rank}.json").write_text(json.dumps(figures) + "\n")
             if comm.is_initialized():
                 comm.barrier()  # every rank has finished the step and written: nobody waits on us

@@ -5,6 +5,7 @@ names or a Hugging Face config.json)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,37 @@ _HF = {"num_hidden_layers": "n_layer", "hidden_size": "d_model", "num_attention_
        "tie_word_embeddings": "tie_embeddings", "num_local_experts": "moe_num_experts",
        "num_experts": "moe_num_experts", "num_experts_per_tok": "moe_top_k",
        "n_embd": "d_model"}
+
+
+# meshspeed's names (GPTConfig's fields; tests/planner/test_plan.py checks they agree)
+KNOWN_KEYS = ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden",
+              "rope_theta", "norm_eps", "tie_embeddings", "moe_num_experts", "moe_every", "moe_top_k",
+              "moe_capacity_factor", "moe_min_capacity", "moe_drop_tokens", "moe_use_rts",
+              "moe_top2_2nd_expert_sampling", "moe_ep_size", "moe_aux_loss_coef", "moe_z_loss_coef")
+_REQUIRED = ("n_layer", "d_model", "n_head", "vocab_size")
+_HF_MARKS = ("model_type", "architectures", "transformers_version")
+
+
+def _did_you_mean(key: str, choices) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_keys(model: dict, where: str) -> None:
+    """ValueError naming the first key of a meshspeed-style config that is not one of
+    KNOWN_KEYS (a typo: 'n_layers'), or, in a Hugging Face config.json (which has many
+    keys the planner does not read), a required size it does not give."""
+    if any(k in model for k in _HF_MARKS) or any(k in model for k in _HF if k != "n_embd"):
+        for need in _REQUIRED:
+            names = [k for k, v in _HF.items() if v == need] + [need]  # the Hugging Face names first
+            if not any(name in model for name in names):
+                raise ValueError(f"{where} has no {names[0]!r} (meshspeed's {need})"
+                                 f"{_did_you_mean(names[0], model)}")
+        return
+    for key in model:
+        if key not in KNOWN_KEYS and key not in _HF:
+            raise ValueError(f"unknown key {key!r} in {where}{_did_you_mean(key, KNOWN_KEYS)} "
+                             f"known keys: {', '.join(KNOWN_KEYS)} (or a Hugging Face config.json's)")
 
 
 @dataclass(frozen=True)
@@ -37,7 +69,14 @@ class PlanModel:
             if not path.is_file():
                 raise ValueError(f"model {str(model)!r} is not a file; give a config.json path, "
                                  "a GPTConfig or a dict")
-            model = json.loads(path.read_text())
+            try:
+                model = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(f"model {str(model)!r} is not JSON: {err}") from None
+            if not isinstance(model, dict):
+                raise ValueError(f"model {str(path)!r} holds a JSON {type(model).__name__}; give a JSON object "  # noqa: TRY004 - bad file content; the CLI reports ValueErrors
+                                 "of the model's sizes ({\"n_layer\": 12, ...})")
+            check_keys(model, str(path))
         if dataclasses.is_dataclass(model):
             model = dataclasses.asdict(model)
         if not isinstance(model, dict):

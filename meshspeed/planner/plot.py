@@ -14,6 +14,12 @@ TIME_PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "offload")
 
 
 def plot_plan(plan: Plan, path: str | Path, top: int = 8) -> None:
+    fig = figure(plan, top)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # the legends below are kept whole
+
+
+def figure(plan: Plan, top: int = 8):
+    """The matplotlib Figure plot_plan saves: memory and step time, a legend under each."""
     try:
         import matplotlib  # lazy: optional dependency (plots extra)
 
@@ -38,11 +44,12 @@ def plot_plan(plan: Plan, path: str | Path, top: int = 8) -> None:
             left = [a + b for a, b in zip(left, widths)]
         ax.set_xlabel(unit)
         ax.invert_yaxis()
-        ax.legend(fontsize=8, loc="lower right")
+        # below the axes, in one row: inside them it covers the longest bars
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(parts), frameon=False)
     ax_m.axvline(plan.hardware.gpu_memory / 1e9, color="k", linestyle="--", linewidth=1)
     ax_m.set_title("memory per rank (dashed: device)")
     ax_t.set_title("step time")
     ax_t.set_yticklabels([])
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plt.close(fig)  # pyplot forgets it; the caller holds it
+    return fig

@@ -45,6 +45,12 @@ DERIVED_AXES = ("dp_cp", "ep", "edp")
 AXES = MESH_DIM_NAMES + DERIVED_AXES
 
 
+def launch_hint(multiple: int, world: int) -> str:
+    """How to fix a degree the world size does not divide, for error messages:
+    "launch a multiple of 4 processes (now 2)"."""
+    return f"launch a multiple of {multiple} process{'es' * (multiple != 1)} (now {world})"
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Parallel degrees of one training job; ``dp`` is whatever the others leave.
@@ -74,10 +80,11 @@ class ParallelDims:
         if self.world_size % model:
             raise ValueError(
                 f"world_size {self.world_size} is not divisible by "
-                f"tp {self.tp} x pp {self.pp} x cp {self.cp} = {model}"
+                f"tp {self.tp} x pp {self.pp} x cp {self.cp} = {model}; {launch_hint(model, self.world_size)}"
             )
         if self.dp % self.ep:
-            raise ValueError(f"ep {self.ep} must divide dp {self.dp}")
+            raise ValueError(f"ep {self.ep} must divide dp {self.dp} (world_size / (tp x pp x cp)); use an ep "
+                             f"that divides {self.dp}, or {launch_hint(model * self.ep, self.world_size)}")
 
     @classmethod
     def with_sp(cls, world_size: int, *, sp: int, tp: int = 1, pp: int = 1, ep: int = 1):

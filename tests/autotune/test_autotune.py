@@ -10,6 +10,8 @@ import textwrap
 import pytest
 
 from meshspeed.autotune import TuneError, autotune
+from meshspeed.autotune.pick import pick, within_noise
+from meshspeed.autotune.report import Trial
 from meshspeed.autotune.trial import find_config_arg, substitute
 from meshspeed.config import ConfigError, load_config
 
@@ -51,7 +53,7 @@ def _setup(tmp_path, crash_stage=-1, autotuning=None):
     return str(script), ["--deepspeed_config", str(tmp_path / "ds.json")]
 
 
-def test_tune_two_ranks_crash_recorded_best_is_fastest(tmp_path):
+def test_tune_two_ranks_crash_recorded_best_is_fastest(tmp_path, capsys):
     # Stage 1 crashes in this script. Micro-batches are held at 4, so the candidates are
     # ZeRO stages 0-3 at 4 x 1 and the top 3 include stage 1 (stage 3, with the most
     # traffic, is predicted slowest): the search must record it and go on.
@@ -65,7 +67,14 @@ def test_tune_two_ranks_crash_recorded_best_is_fastest(tmp_path):
     assert crashed and all(t.status == "failed" and "refuses ZeRO stage 1" in t.reason for t in crashed)
     assert len(ok) == len(trials) - len(crashed) >= 1
     fastest = max(ok, key=lambda t: t.samples_per_second)
+    if out["within_noise"]:  # the measurements cannot tell them apart: the fewest bytes is kept (pick.py)
+        assert within_noise(out["best"], fastest) and f"{out['best'].layout} because" in out["within_noise"]
+        fastest = out["best"]
     assert out["best"] is fastest
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("meshspeed autotune: ")]
+    assert said[0].startswith("meshspeed autotune: probing ") and "3 trial(s) on 2 process(es)" in said[1]
+    assert any(line.startswith("meshspeed autotune: trial 3/3: ") and " s/step (single steps " in line
+               for line in said), said
     best = json.loads((tmp_path / "res" / "best_config.json").read_text())
     trial_cfg = json.loads((tmp_path / "res" / "autotuning_exps" / fastest.name / "ds_config.json").read_text())
     assert best == trial_cfg == fastest.config
@@ -135,3 +144,24 @@ def test_timeout_and_out_of_memory_reasons(tmp_path):
     log = "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
     assert _reason(1, log) == "out of memory (exit 1)"
     assert _reason(1, "x\nValueError: bad micro-batch\n") == "exit 1: ValueError: bad micro-batch"
+
+
+def _trial(layout, times, predicted_mb):
+    t = Trial(f"t_{layout}", layout, {}, 1.0, predicted_mb * 2**20, status="ok", step_times=times)
+    t.step_seconds = sum(times) / len(times)
+    t.samples_per_second = 8 / t.step_seconds
+    return t
+
+
+def test_trials_within_noise_are_not_called_faster():
+    a = _trial("dp2-zero2-mb4x1", [1.00, 1.10], 300)  # fastest on average
+    b = _trial("dp2-zero3-mb4x1", [1.05, 1.20], 200)  # overlaps a, fewer bytes
+    c = _trial("dp2-zero0-mb4x1", [1.50, 1.60], 100)  # clearly slower
+    best, note = pick([a, b, c], "throughput")
+    assert best is b
+    assert note.startswith("within noise of each other (their single-step times overlap): "
+                           "trial 1 dp2-zero2-mb4x1 (1.05 s/step, steps 1-1.1 s); trial 2 dp2-zero3-mb4x1")
+    assert "picked trial 2 dp2-zero3-mb4x1 because it needs the fewest bytes (200 MB" in note
+    assert "trial 1 scored best by throughput, by less than the noise" in note and "zero0" not in note
+    a.step_times = [1.00, 1.01]  # now clearly ahead of b: a winner, no note
+    assert pick([a, b, c], "throughput") == (a, "")

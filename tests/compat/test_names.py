@@ -72,7 +72,8 @@ def _refusal(kind, dims):
 
 
 @pytest.mark.parametrize(("kind", "dims", "message"), [
-    ("num_stages", 2, "num_stages=2) on 1 rank(s): the number of stages must divide the world size"),
+    ("num_stages", 2, ("num_stages=2) on 1 rank(s): the number of stages must divide the world size; "
+                       "launch a multiple of 2 processes (now 1)")),
     ("pipe-data", (2, 1), "num_stages=2) on 1 rank(s)"),
     ("pipe-model-data", (1, 2, 1), "has 2 ranks, the job has 1"),
 ])

@@ -42,6 +42,7 @@ def _errors():
 def test_layout_errors_name_the_key_and_numbers():
     got = run_distributed(_errors, 2, timeout=200)[0]
     assert "tensor_parallel.autotp_size: 3 does not divide the world size 2" in got["indivisible"]
+    assert got["indivisible"].endswith("launch a multiple of 3 processes (now 2)"), got["indivisible"]
     assert "need tensor_parallel.autotp_size > 1" in got["sp_without_tp"]
     assert "layers.0.attn.wq: 1 heads" in got["heads"] and "tp=2" in got["heads"], got["heads"]
     assert got["alias"] == "ok tp=2 dp=1"

@@ -29,7 +29,7 @@ def _error_of(family: str, tp: int, over: dict) -> str:
     ("gpt2", 2, {"n_head": 3, "n_embd": 48}, "tensor_parallel.tp_size 2 does not divide the 3 attention heads of GPT2LMHeadModel; use a tp_size in [1, 3]"),
     ("llama", 2, {"num_key_value_heads": 1}, "tensor_parallel.tp_size 2 does not divide the 1 key/value heads of LlamaForCausalLM; use a tp_size in [1]"),
     ("gpt", 2, {"n_head": 3, "n_kv_head": 3, "d_model": 48}, "tensor_parallel.tp_size 2 does not divide the 3 attention heads of GPT"),
-    ("gpt2", 4, {}, "tensor_parallel.tp_size 4 does not divide the world size 2; use one of [1, 2] or launch a multiple of 4 processes"),
+    ("gpt2", 4, {}, "tensor_parallel.tp_size 4 does not divide the world size 2; use one of [1, 2] or launch a multiple of 4 processes (now 2)"),
     ("gpt2", 3, {}, "tensor_parallel.tp_size 3 does not divide the world size 2"),
 ])
 def test_tp_size_errors(family, tp, over, want):

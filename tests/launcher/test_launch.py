@@ -41,11 +41,64 @@ def test_a_failing_rank_gives_nonzero_exit(tmp_path):
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit(3)\n")
     result = meshspeed("run", "--nproc-per-node", "2", str(script), tmp_path=tmp_path)
     assert result.returncode != 0
+    # no exception to report: how the rank ended, from torchrun
+    assert result.stderr.splitlines()[-1] == ("meshspeed run: rank 1 failed first: exited with status 3 "
+                                              "without a Python exception"), result.stderr
+
+
+def test_the_first_failing_ranks_cause_is_the_last_line_once(tmp_path):
+    script = tmp_path / "raises.py"
+    cause = "tensor_parallel.autotp_size 3 needs a multiple of 3 processes; launch a multiple of 3 processes (now 2)"
+    script.write_text(f"import os, time\nCAUSE = {cause!r}\n"  # not on a traceback's source line
+                      "def build():\n"
+                      "    raise ValueError(CAUSE)\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    build()\n"
+                      "time.sleep(30)\n")  # rank 0 is stopped by torchrun, not failed by itself
+    result = meshspeed("run", "--nproc-per-node", "2", str(script), tmp_path=tmp_path)
+    assert result.returncode == 1
+    out = result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1] == f"meshspeed run: rank 1 failed first: ValueError: {cause}", out
+    assert out.count(cause) == 1, out
+    assert "ChildFailedError" not in out and "Root Cause" not in out, out
+    # the script's frames are shown (not the launcher's or runpy's)
+    assert 'raises.py", line 6, in <module>' in result.stderr and "runpy" not in result.stderr, out
 
 
 def test_missing_script_is_a_usage_error(capsys):
     assert launch.main(parse([])) == 2
     assert "missing the training script" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["nosuch.py"], "meshspeed run: the script nosuch.py does not exist"),
+        (["--deepspeed-compat", "nosuch.py", "--deepspeed"], "meshspeed run: the script nosuch.py does not exist"),
+        (["-m", "nosuch_pkg.train"], "meshspeed run: no module named 'nosuch_pkg' (from -m nosuch_pkg.train)"),
+        (["--no-python", "nosuch_program"], "meshspeed run: the program nosuch_program is not an executable file"),
+    ],
+)
+def test_a_missing_target_is_found_before_any_process_starts(argv, expected, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr(launch, "torchrun_main", started.append)
+    assert launch.main(parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1, err
+    assert started == []
+
+
+def test_each_rank_starts_under_rank_entry():
+    entry = ["-m", "meshspeed.launcher.rank_entry"]
+    assert launch.with_rank_entry(["--nproc-per-node", "2", "t.py", "-m", "x"]) == \
+        ["--nproc-per-node", "2", *entry, "t.py", "-m", "x"]
+    assert launch.with_rank_entry(["--nproc-per-node", "2", "-m", "pkg.train", "x"]) == \
+        ["--nproc-per-node", "2", *entry, "-m", "pkg.train", "x"]
+    # --deepspeed-compat's child is itself a module; --no-python programs are not Python
+    assert launch.with_rank_entry(["--nproc-per-node", "1", "-m", "meshspeed.compat.child", "t.py"]) == \
+        ["--nproc-per-node", "1", *entry, "-m", "meshspeed.compat.child", "t.py"]
+    assert launch.with_rank_entry(["--nproc-per-node", "1", "--no-python", "echo", "hi"]) == \
+        ["--nproc-per-node", "1", "--no-python", "echo", "hi"]
 
 
 @pytest.mark.parametrize(

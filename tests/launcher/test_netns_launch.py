@@ -120,6 +120,9 @@ def test_a_failing_host_stops_the_others_and_is_named(tmp_path):
         done = cluster.hosts[0].run(argv, env=_env(), cwd=tmp_path, timeout=120)
         assert done.returncode != 0
         assert "meshspeed run: the job failed: node1 failed with exit status" in done.stderr, done.stderr[-3000:]
+        # the failed host's first failing rank, once, last (launcher/failures.py)
+        cause = "meshspeed run: rank 3 on node1 failed first: exited with status 3 without a Python exception"
+        assert done.stderr.splitlines()[-1] == cause and done.stderr.count("failed first") == 1, done.stderr[-3000:]
         assert _left_behind(cluster) == {}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from meshspeed.cli import main as cli_main
 from meshspeed.config import load_config
 from meshspeed.models.gpt import GPT, GPTConfig
-from meshspeed.planner import plan
+from meshspeed.planner import model_spec, plan
 from meshspeed.planner.candidates import enumerate_candidates, why_not
 from meshspeed.planner.cost import Candidate, memory, rank_params, step_time
 from meshspeed.planner.estimate import estimate_memory
@@ -73,6 +74,21 @@ def test_hugging_face_config_json(tmp_path):
     assert PlanModel.from_any(str(path)).num_params == sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="is not a file"):
         PlanModel.from_any(str(tmp_path / "missing.json"))
+
+
+def test_a_config_json_with_a_typo_names_the_key_and_the_one_meant(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({**{k: v for k, v in TINY.items() if k != "n_layer"}, "n_layers": 2}))
+    with pytest.raises(ValueError, match=re.escape(f"unknown key 'n_layers' in {path}; did you mean 'n_layer'? "
+                                                   "known keys: vocab_size, max_seq_len, n_layer,")):
+        PlanModel.from_any(str(path))
+    # a Hugging Face config has many keys the planner does not read: a size it lacks is named
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layer": 2, "hidden_size": 64,
+                                "num_attention_heads": 4, "vocab_size": 320, "rope_scaling": None}))
+    with pytest.raises(ValueError, match=re.escape("has no 'num_hidden_layers' (meshspeed's n_layer); "
+                                                   "did you mean 'num_hidden_layer'?")):
+        PlanModel.from_any(str(path))
+    assert set(model_spec.KNOWN_KEYS) == {f.name for f in dataclasses.fields(GPTConfig)}
 
 
 @pytest.mark.parametrize("fields", [TINY, MOE])
@@ -253,6 +269,19 @@ def test_ulysses_traffic_is_four_all_to_alls_each_way():
     t = step_time(spec, Candidate(dp=1, cp=2, micro_batch=2, grad_accum=1), hw, 2, 64)
     act = 2 * 32 * TINY["d_model"] * 2  # mb 2 x S/cp 32 x d, bf16
     assert t["cp"] == pytest.approx(TINY["n_layer"] * 2 * 4 * hw.intra.ring(2, act))
+
+
+def test_plot_legends_are_below_the_bars():
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from meshspeed.planner.plot import figure
+
+    fig = figure(plan(TINY, 4, "80GB", global_batch=8, seq_len=64), top=4)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    for ax in fig.axes:  # the legend's top edge is under the axes' bottom edge (and tick labels)
+        legend, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert legend.y1 <= frame.y0, (legend, frame)
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):

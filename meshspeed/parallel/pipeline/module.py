@@ -62,7 +62,7 @@ from meshspeed import comm
 from meshspeed.parallel.activation_checkpoint import checkpoint as _default_checkpoint
 from meshspeed.parallel.pipeline.partition import partition
 from meshspeed.parallel.pipeline.spec import LayerSpec, TiedLayerSpec
-from meshspeed.topology.degrees import pipeline_stage
+from meshspeed.topology.degrees import launch_hint, pipeline_stage
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "split_sequential"]
 
@@ -114,7 +114,7 @@ class PipelineModule(nn.Module):
         rank, world = _launched_world()
         if world % stages:
             raise ValueError(f"PipelineModule(num_stages={stages}) on {world} rank(s): the number of stages "
-                             f"must divide the world size; launch a multiple of {stages} processes")
+                             f"must divide the world size; {launch_hint(stages, world)}")
         self.global_rank, self.world_size = rank, world
         self._build(pipeline_stage(rank, world, stages), virtual_stages)
 
