@@ -273,6 +273,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.write_docs:
+        from docs_stamp import require_committed  # lazy: benchmarks/ joins sys.path below the imports
+
+        require_committed()  # refuse uncommitted code before the run, not after it
     if args.quick:
         args.repeats, args.new_tokens, args.batches, args.stream = 1, 8, [1, 8], 16
     t0 = time.time()

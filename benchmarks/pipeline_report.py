@@ -217,7 +217,7 @@ def markdown(rows, ds, cfg: ModelConfig, args, command: str, machine: dict) -> s
     return "\n".join(lines)
 
 
-def write_docs(section: str, path: Path, key: str = "pipeline.py") -> None:
+def write_docs(section: str, path: Path, key: str = "pipeline.py", measured: str | None = None) -> None:
     from zero_report import replace_section
 
-    replace_section(section, path, key)
+    replace_section(section, path, key, measured)
