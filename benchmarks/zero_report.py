@@ -273,7 +273,7 @@ def stamped(section: str, path: Path, measured: str | None = None) -> str:
     and `path` is in this repository (docs_stamp.require_committed)."""
     in_repo = path.resolve().is_relative_to(REPO)
     commit = measured or (require_committed() if in_repo else begin())
-    if commit.split("+")[0] in section and "+" not in commit:
+    if re.search(r"commit\W{0,3}[0-9a-f]{7,}", section):  # the section names its commit already
         return section
     return stamp_line(commit) + "\n\n" + section
 
