@@ -35,14 +35,12 @@ def machine_description() -> dict[str, str]:
         pass
     mem_kb = next((int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines()
                    if l.startswith("MemTotal:")), 0)
-    try:
-        git = ["git", "-C", str(REPO)]
-        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "meshspeed"], capture_output=True, text=True, check=False).stdout
-        if dirty.strip():  # name the exact working tree: a hash of the diff against HEAD
-            diff = subprocess.run([*git, "diff", "HEAD", "--", "meshspeed"], capture_output=True,
+    try:  # the tree as it was when the run began (docs_stamp.begin), not when it ended
+        commit = begin()
+        if commit.endswith("+dirty"):  # name the exact working tree: a hash of the diff against HEAD
+            diff = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--", "meshspeed"], capture_output=True,
                                   check=False).stdout
-            commit += f" + uncommitted changes in meshspeed/ (diff sha1 {hashlib.sha1(diff).hexdigest()[:10]})"
+            commit += f" (uncommitted changes; meshspeed/ diff sha1 {hashlib.sha1(diff).hexdigest()[:10]})"
     except OSError:
         commit = "unknown"
     return {
