@@ -34,7 +34,9 @@ test: $(VENV)/.dev-installed
 # it measured; they refuse a tree with uncommitted code (benchmarks/docs_stamp.py): commit,
 # then run. DeepSpeed's side needs its venv (../shared/tools/anchor-venv.sh). Several hours
 # on a 2-core machine (ZeRO, MoE, long context and the 2B ZeRO-Infinity runs are the long
-# ones); `docs-figures-issue32` is the part re-measured for issue 32, about 45 minutes.
+# ones). `docs-figures-issue32` is the part re-measured for issue 32: about 1.5 hours on a
+# 2-core machine shared with other jobs (pipeline.py 29 min at --repeats 3, inference.py
+# 4-6 min, the 2B runs 36 min at world 1 and about 30 at world 2), less on an idle one.
 # Not run in CI. Hand-written reading notes under the sections ("-reading" markers) quote
 # these numbers: re-read them after a run.
 BENCH := PYTHONPATH=. $(PY) benchmarks
