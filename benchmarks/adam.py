@@ -125,13 +125,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "adam.json"))
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from zero_report import stamped  # lazy: benchmarks/ joins sys.path above
+
+    stamped("", Path(args.out))  # refuse uncommitted code before the run, not after it
     threads = args.threads or sorted({1, torch.get_num_threads()})
     results = [run(args.numel, args.repeats, t) for t in threads]
     text = report(results, args.numel)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
-    write_docs_section(Path(args.out), "adam.py", text)
+    write_docs_section(Path(args.out), "adam.py", stamped(text, Path(args.out)))
     return 0
 
 

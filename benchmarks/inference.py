@@ -50,6 +50,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ANCHOR = Path(os.environ.get("MESHSPEED_ANCHOR_PYTHON", "/root/.cache/meshspeed-anchors/bin/python"))
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every process of the machine has been busy since boot (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its waited-for children (the DeepSpeed run)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def model_config(args) -> dict:
     return {"n_layer": args.layers, "n_embd": args.d_model, "n_head": args.heads, "vocab_size": args.vocab,
             "n_positions": args.max_len}
@@ -212,7 +225,8 @@ def markdown(res: dict, args, command: str, machine: dict, wall_s: float) -> str
          "`replace_with_kernel_inject` (meshspeed/inference/inject.py: linear layers prepacked for oneDNN; not "
          "bit-identical, so its tokens may differ where two logits are within rounding). DeepSpeed 0.19.8's "
          "`init_inference` runs in its own venv and process, without kernel injection (CUDA only), i.e. HF's "
-         f"generate inside its engine. Whole run: {wall_s:.0f} s."),
+         f"generate inside its engine. Whole run: {wall_s:.0f} s, while other processes used "
+         f"{res.get('other_load', 0):.0%} of the machine's CPU."),
         *command_and_machine(command, machine),
         "| batch | framework | first token ms | per token ms | tokens/s | vs HF | same tokens as HF |",
         "|---|---|---|---|---|---|---|",
@@ -273,9 +287,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.write_docs:
+        # lazy: benchmarks/ joins sys.path below the imports
+        from docs_stamp import require_committed
+
+        require_committed()  # refuse uncommitted code before the run, not after it
     if args.quick:
         args.repeats, args.new_tokens, args.batches, args.stream = 1, 8, [1, 8], 16
-    t0 = time.time()
+    t0, busy0, ours0 = time.time(), machine_busy_s(), own_cpu_s()
     res = {"local": run_local(args)}
     res["deepspeed"] = "skipped (--no-deepspeed)" if args.no_deepspeed else run_deepspeed(args)
     if isinstance(res["deepspeed"], dict):
@@ -284,6 +303,8 @@ def main(argv=None) -> None:
             r["same_tokens_as_hf"] = r.pop("tokens") == hf_tokens.tolist()
     res["batching"] = run_batching(args)
     wall_s = time.time() - t0
+    others = machine_busy_s() - busy0 - (own_cpu_s() - ours0)
+    res["other_load"] = max(0.0, others / (wall_s * (os.cpu_count() or 1)))
     from zero_report import machine_description, replace_section
 
     machine = machine_description()

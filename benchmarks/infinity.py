@@ -321,7 +321,19 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=29533)
     ap.add_argument("--checkpoint-dir", default=None, help="save after the steps, resume in a fresh engine")
     ap.add_argument("--markdown", action="store_true", help="print a markdown summary line")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="replace this world size's row of the 2B table in docs/benchmarks.md (benchmarks/infinity_docs.py)")
+    ap.add_argument("--render", metavar="JSON", default=None,
+                    help="run nothing: write the row of an earlier run's benchmarks/results/infinity-2b-w<W>.json")
     args = ap.parse_args()
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import docs_stamp  # lazy: benchmarks/ joins sys.path above
+    import infinity_docs  # lazy: benchmarks/ joins sys.path above
+
+    if args.render:
+        infinity_docs.write(json.loads(Path(args.render).read_text()))
+        return
+    commit = docs_stamp.require_committed() if args.write_docs else docs_stamp.begin()
     flops = matmul_peak_flops(args.threads)
     bw_write, bw_read = disk_bandwidth(args.nvme_path, args)
     results = tempfile.mkdtemp(prefix="infinity-results-")
@@ -361,6 +373,8 @@ def main() -> None:
         "memory_breakdown_gib": {k: round(v / gib, 2) for k, v in out["memory_breakdown"].items() if isinstance(v, int)},
         "tiers_gib": {k: round(v / gib, 2) for k, v in out["memory_breakdown"]["tiers"].items()},
     }
+    summary["commit"] = commit
+    summary["command"] = " ".join(["PYTHONPATH=. .venv/bin/python benchmarks/infinity.py", *sys.argv[1:]])
     for k, v in summary.items():
         print(f"  {k}: {v}", file=sys.stderr)
     if args.markdown:
@@ -371,6 +385,9 @@ def main() -> None:
               f"{summary['step_over_bound']:.2f} | "
               f"{'saved, resumed: equal' if c and c['equal'] else ('not equal' if c else 'not run')} |")
     print(json.dumps(summary, default=str))
+    if args.write_docs:
+        infinity_docs.write(summary)
+        print(f"wrote the world-{args.world} row of docs/benchmarks.md's 2B table", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "offload.json"))
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from zero_report import stamped  # lazy: benchmarks/ joins sys.path above
+
+    stamped("", Path(args.out))  # refuse uncommitted code before the run, not after it
     from meshspeed.testing import close_pools, run_distributed
 
     rows = []
@@ -164,7 +168,7 @@ def main(argv=None) -> int:
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=1))
-    write_docs_section(Path(args.out), "offload.py", text)
+    write_docs_section(Path(args.out), "offload.py", stamped(text, Path(args.out)))
     return 0
 
 

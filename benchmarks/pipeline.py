@@ -414,6 +414,7 @@ def profile_messages(reps: int = 30) -> list[str]:
     return lines
 
 
+from docs_stamp import require_committed
 from pipeline_report import (
     bubble_table,
     markdown,
@@ -455,6 +456,8 @@ def main(argv=None) -> None:
     ap.add_argument("--markdown", action="store_true", help="print the docs section")
     ap.add_argument("--write-docs", action="store_true", help="replace the section in docs/benchmarks.md")
     args = ap.parse_args(argv)
+    if args.write_docs and not args.render:
+        require_committed()  # refuse uncommitted code before the run, not after it
     cfg = ModelConfig()
     if args.profile:
         print("\n".join(profile_split(cfg) + profile_messages()))
@@ -467,7 +470,7 @@ def main(argv=None) -> None:
                            saved["command"], saved["machine"])
         print(section)
         if args.write_docs:
-            write_docs(section, REPO / "docs" / "benchmarks.md")
+            write_docs(section, REPO / "docs" / "benchmarks.md", measured=saved["machine"]["meshspeed commit"])
             print("wrote docs/benchmarks.md (pipeline.py section)")
         return
     t_start = time.time()

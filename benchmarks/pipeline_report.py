@@ -102,14 +102,15 @@ def cpu_table(rows: list[dict], ds: dict | None, p: int) -> list[str]:
     """CPU seconds a batch took on its busiest rank, in the runs of the step table."""
     ds_by_m = {r["micro_batches"]: r for r in (ds or {}).get("results", [])}
     names = [n for n in ["1f1b", "gpipe", "interleaved", "zb-h1"] if any(r["schedule"] == n for r in rows)]
-    lines = ["| m | " + " | ".join(f"meshspeed {n}" for n in names) + " | DeepSpeed 1f1b |",
-             "|" + "---|" * (2 + len(names))]
+    lines = ["| m | " + " | ".join(f"meshspeed {n}" for n in names) + " | DeepSpeed 1f1b | 1f1b / DS |",
+             "|" + "---|" * (3 + len(names))]
     for m in sorted({r["micro_batches"] for r in rows if r["stages"] == p}):
         got = {r["schedule"]: r for r in rows if r["stages"] == p and r["micro_batches"] == m}
         cells = [f"{1e3 * got[n]['median_cpu_s']:.0f}" if n in got else "n/a" for n in names]
         d = ds_by_m.get(m)
         ds_cpu = f"{1e3 * d['median_cpu_s']:.0f}" if d else "n/a"
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {ds_cpu} |")
+        ratio = f"{got['1f1b']['median_cpu_s'] / d['median_cpu_s']:.2f}" if d and "1f1b" in got else "n/a"
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {ds_cpu} | {ratio} |")
     return lines
 
 
@@ -201,7 +202,9 @@ def markdown(rows, ds, cfg: ModelConfig, args, command: str, machine: dict) -> s
     lines += ["", (f"Each cell: the fastest of the {args.repeats} run(s) (meshspeed and DeepSpeed in turn); every "
                    "run, with the share of the machine's CPU that other processes took during its timed batches:"),
               "", *runs_table(rows, ds, p_time), "",
-              "CPU ms a batch took on its busiest rank (median over the timed batches, the runs of the first table):",
+              ("CPU ms a batch took on its busiest rank (median over the timed batches, the runs of the first table); "
+               "other processes inflate it less than the wall clock, so on a shared machine its ratio is the "
+               "steadier comparison:"),
               "", *cpu_table(rows, ds, p_time)]
     if ds:
         ds_loss = {r["micro_batches"]: r["ranks"][0]["losses"] for r in ds["results"]}
@@ -217,7 +220,7 @@ def markdown(rows, ds, cfg: ModelConfig, args, command: str, machine: dict) -> s
     return "\n".join(lines)
 
 
-def write_docs(section: str, path: Path, key: str = "pipeline.py") -> None:
+def write_docs(section: str, path: Path, key: str = "pipeline.py", measured: str | None = None) -> None:
     from zero_report import replace_section
 
-    replace_section(section, path, key)
+    replace_section(section, path, key, measured)

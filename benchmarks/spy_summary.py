@@ -39,5 +39,8 @@ def summarise(path: str, top: int = 8) -> None:
 
 
 if __name__ == "__main__":
+    if not sys.argv[1:] or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:] else 2)
     for p in sys.argv[1:]:
         summarise(p)

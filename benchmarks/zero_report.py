@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+from docs_stamp import begin, require_committed, stamp_line
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -34,14 +35,12 @@ def machine_description() -> dict[str, str]:
         pass
     mem_kb = next((int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines()
                    if l.startswith("MemTotal:")), 0)
-    try:
-        git = ["git", "-C", str(REPO)]
-        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "meshspeed"], capture_output=True, text=True, check=False).stdout
-        if dirty.strip():  # name the exact working tree: a hash of the diff against HEAD
-            diff = subprocess.run([*git, "diff", "HEAD", "--", "meshspeed"], capture_output=True,
+    try:  # the tree as it was when the run began (docs_stamp.begin), not when it ended
+        commit = begin()
+        if commit.endswith("+dirty"):  # name the exact working tree: a hash of the diff against HEAD
+            diff = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--", "meshspeed"], capture_output=True,
                                   check=False).stdout
-            commit += f" + uncommitted changes in meshspeed/ (diff sha1 {hashlib.sha1(diff).hexdigest()[:10]})"
+            commit += f" (uncommitted changes; meshspeed/ diff sha1 {hashlib.sha1(diff).hexdigest()[:10]})"
     except OSError:
         commit = "unknown"
     return {
@@ -266,10 +265,23 @@ def render_markdown(rows: dict[str, dict], setup, world: int, psi: int, command:
     return "\n".join(lines) + "\n"
 
 
-def replace_section(section: str, path: Path, key: str) -> None:
+def stamped(section: str, path: Path, measured: str | None = None) -> str:
+    """`section` with the commit it was measured on named in it: `measured` (a re-render of
+    an earlier run's results), else this run's commit, refused if it has uncommitted code
+    and `path` is in this repository (docs_stamp.require_committed)."""
+    in_repo = path.resolve().is_relative_to(REPO)
+    commit = measured or (require_committed() if in_repo else begin())
+    if re.search(r"commit\W{0,3}[0-9a-f]{7,}", section):  # the section names its commit already
+        return section
+    return stamp_line(commit) + "\n\n" + section
+
+
+def replace_section(section: str, path: Path, key: str, measured: str | None = None) -> None:
     """Put `section` between `<!-- key:start -->` and `<!-- key:end -->` in the markdown file
     at `path`, replacing what was there, or append it with its markers (every benchmark's
-    docs/benchmarks.md section but zero.py's, which keeps its runs together: write_docs)."""
+    docs/benchmarks.md section but zero.py's, which keeps its runs together: write_docs).
+    The section names the commit it was measured on (`stamped`)."""
+    section = stamped(section, path, measured)
     start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
     block = f"{start}\n{section}{end}\n"
     old = path.read_text()
@@ -286,6 +298,7 @@ def write_docs(section: str, path: Path, key: str | None = None) -> None:
     """Replace the section of run `key` (e.g. default-fp32-2) in the markdown file at `path`,
     keeping every other; a new key's section goes after the last zero.py section (or at the
     end). The unkeyed markers of older reports are taken to be the default-fp32-2 run's."""
+    section = stamped(section, path)
     start, end = markers(key)
     block = f"{start}\n{section}{end}\n"
     old = path.read_text() if path.exists() else "# Benchmarks\n"

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def main(paths: list[str]) -> None:
-    runs = [json.loads(open(p).read()) for p in paths]
+    runs = [json.loads(Path(p).read_text()) for p in paths]
     heads = [f"run {i + 1} ({r['machine']['meshspeed commit']})" for i, r in enumerate(runs)]
     print("| target (paired per-round ratio; wall clock / CPU time) | " + " | ".join(heads) + " |")
     print("|---|" + "---|" * len(runs))
@@ -28,4 +29,7 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if not sys.argv[1:] or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:] else 2)
     main(sys.argv[1:])

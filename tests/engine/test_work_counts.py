@@ -92,6 +92,8 @@ def test_the_counts_are_deterministic():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        sys.exit(print(__doc__))
     if sys.argv[1:] != ["--update"]:
         raise SystemExit(__doc__)
     BASELINE.write_text(json.dumps({name: measure(name) for name in CASES}, indent=1) + "\n")
