@@ -38,6 +38,7 @@ from torch.distributed import distributed_c10d
 from meshspeed.comm import registry
 
 GRACE_S = 5.0  # how long a failing rank waits for its peers' records
+_STILL_COMPUTING = f"still computing (no answer within {GRACE_S:.0f} s; or it waits outside any collective)"
 STORE_S = 3.0
 _PREFIX = "meshspeed/rollcall"
 
@@ -175,11 +176,10 @@ def _describe(store: Any, rank: int, rec: dict | None, group: str, seq: int) -> 
     if peer.host != socket.gethostname():  # another host: its heartbeat and its survivors tell
         state = registry.peer_state(peer, time.time())
         if state == "still computing":
-            state += f" (no answer within {GRACE_S:.0f} s; or it waits outside any collective)"
+            state = _STILL_COMPUTING
         return registry.peer_line(peer, rank, time.time(), state), False
     if _alive(peer.pid):
-        return registry.peer_line(peer, rank, time.time(), f"still computing (no answer within "
-                                  f"{GRACE_S:.0f} s; or it waits outside any collective)"), False
+        return registry.peer_line(peer, rank, time.time(), _STILL_COMPUTING), False
     if registry.was_stopped(store, rank):
         return registry.peer_line(peer, rank, time.time(), "stopped by its launcher (SIGTERM)"), False
     registry.post_dead(store, rank, peer.pid)

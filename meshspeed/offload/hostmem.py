@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from meshspeed.process.accelerator import get_accelerator
+from meshspeed.process.accelerator import get_accelerator, meminfo_bytes
 
 log = logging.getLogger("meshspeed")
 
@@ -53,14 +53,7 @@ def _pin_ok() -> bool:
 
 def available_host_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (bytes), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+    return meminfo_bytes("MemAvailable:")
 
 
 def local_world_size() -> int:

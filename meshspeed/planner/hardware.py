@@ -94,7 +94,9 @@ class Hardware:
 
 
 def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes; None where it cannot be read."""
+    """MemAvailable from /proc/meminfo, in bytes; None where it cannot be read. (The same
+    reader as process.accelerator.meminfo_bytes, which this layer's contract keeps out of
+    reach: planner and process are independent siblings in .importlinter.)"""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -336,7 +336,7 @@ class CpuAccelerator(Accelerator):
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     def available_memory(self) -> int:
-        return _meminfo_bytes("MemAvailable:") or self.total_memory()
+        return meminfo_bytes("MemAvailable:") or self.total_memory()
 
     def is_synchronized_device(self) -> bool:
         return True
@@ -383,7 +383,8 @@ def _peak_rss_bytes() -> int:
     return peak if os.uname().sysname == "Darwin" else peak * 1024  # macOS: bytes, else kB
 
 
-def _meminfo_bytes(field: str) -> int | None:
+def meminfo_bytes(field: str) -> int | None:
+    """The /proc/meminfo line `field` (e.g. "MemAvailable:") in bytes; None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
