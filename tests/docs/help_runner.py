@@ -22,6 +22,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+INSTALLED = tuple(str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, *sys.path}
+                  if "-packages" in p or p in (sys.prefix, sys.base_prefix))
+
+
+def _repo_script_module(origin: str) -> bool:
+    """A module loaded from the repository's own files outside meshspeed/ (a script's
+    sibling), not an installed package: a virtual environment inside the checkout
+    (`make install` puts .venv there) holds torch, which must never be imported twice."""
+    if not origin:
+        return False
+    path = str(Path(origin).resolve())
+    return (path.startswith(str(REPO)) and not path.startswith(str(REPO / "meshspeed"))
+            and not path.startswith(INSTALLED))
+
+
 def run_one(spec: str) -> dict:
     kind, target = spec.split(":", 1)
     parsers: list[argparse.ArgumentParser] = []
@@ -57,7 +72,7 @@ def run_one(spec: str) -> dict:
         sys.argv, sys.path[:] = saved_argv, saved_path
         for name in set(sys.modules) - saved_modules:  # a sibling module of one script is not another's
             origin = getattr(sys.modules[name], "__file__", None) or ""
-            if not origin.startswith(str(REPO / "meshspeed")) and origin.startswith(str(REPO)):
+            if _repo_script_module(origin):
                 del sys.modules[name]
     options = sorted({o for p in parsers for o in p._option_string_actions})
     return {"code": code, "output": out.getvalue()[-2000:], "options": options}
