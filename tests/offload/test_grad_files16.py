@@ -50,18 +50,22 @@ def _grad_io(s, wide: bool) -> dict:
     """Bytes the swap engines read and wrote in the last step (io_totals), this rank's
     owned count, and the final state; `wide`: gradient files forced to fp32 (the files
     before 16-bit ones), for the byte count to compare with."""
-    if wide:
+    narrow = grad_files.file_dtype
+    if wide:  # (ranks may serve later tests: put it back)
         grad_files.file_dtype = lambda unit: torch.float32
-    engine = _engine(s)
-    batches = make_batches(s)
-    losses = _train_batches(engine, s, batches[:-1])
-    before = io_totals()
-    losses += _train_batches(engine, s, batches[-1:])
-    after = io_totals()
-    out = {"read": after["read"] - before["read"], "write": after["write"] - before["write"],
-           "owned": sum(sl.end - sl.start for sl in engine.strategy.owned_slices()),
-           "units": len(engine.strategy.units), "losses": losses, "state": full_state_dict(engine)}
-    close(engine)
+    try:
+        engine = _engine(s)
+        batches = make_batches(s)
+        losses = _train_batches(engine, s, batches[:-1])
+        before = io_totals()
+        losses += _train_batches(engine, s, batches[-1:])
+        after = io_totals()
+        out = {"read": after["read"] - before["read"], "write": after["write"] - before["write"],
+               "owned": sum(sl.end - sl.start for sl in engine.strategy.owned_slices()),
+               "units": len(engine.strategy.units), "losses": losses, "state": full_state_dict(engine)}
+        close(engine)
+    finally:
+        grad_files.file_dtype = narrow
     return out
 
 
