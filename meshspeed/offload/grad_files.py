@@ -141,22 +141,24 @@ class GradFiles:
         if src.dtype != dtype and dtype != torch.float32:
             raise RuntimeError(f"unit {u}'s reduced gradient arrived in {src.dtype}; its gradient "
                                f"file holds {dtype}, the unit's dtype, and would round it")
-        n = src.numel()
-        # a page-aligned copy (from an accelerator: the host copy), padded to whole blocks,
-        # so that the write can go O_DIRECT; the unit's own buffer is freed or reused
-        grad = host_empty(round_up(n * dtype.itemsize) // dtype.itemsize, dtype, align=ALIGN)
-        grad[:n].copy_(src)
-        grad[n:].zero_()
         for s, m in zip(unit.spans, unit.masters):
             if not m.requires_grad:
                 continue
-            # the in-memory path's values: the shard widened to fp32, then unscaled
-            view = grad[s.offset : s.offset + s.numel].to(torch.float32, copy=True)
+            # the in-memory path's values: the shard widened to fp32, then unscaled (one
+            # master's span in fp32 at a time)
+            view = src[s.offset : s.offset + s.numel].to("cpu", torch.float32, copy=True)
             if self.loss_scale != 1.0:
                 torch._foreach_mul_([view], 1.0 / self.loss_scale)
             self._norm[id(m)] = torch.linalg.vector_norm(view)
             self.nonfinite = self.nonfinite or has_inf_or_nan([view])
+            del view
         self._scale[u] = self.loss_scale
+        # a page-aligned copy (from an accelerator: the host copy), padded to whole blocks,
+        # so that the write can go O_DIRECT; the unit's own buffer is freed or reused
+        n = src.numel()
+        grad = host_empty(round_up(n * dtype.itemsize) // dtype.itemsize, dtype, align=ALIGN)
+        grad[:n].copy_(src)
+        grad[n:].zero_()
         self._pending.append((self.engine.write(grad, self.path(u)), grad))
         self.landed.add(u)
         # Note [bounded writes in flight] in masters.py: a finished write frees its copy;
