@@ -4,12 +4,15 @@ unscaled on read. The step's gradient I/O is 2 bytes a parameter each way, and t
 results are bit for bit those of the run that keeps its gradients in memory, the fp32
 reduction (`communication_data_type fp32`) and gradient accumulation included."""
 
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from meshspeed.offload import close, grad_files
-from meshspeed.offload.aio import io_totals
-from meshspeed.offload.grad_files import _widen
+from meshspeed.offload.aio import SwapEngine, io_totals
+from meshspeed.offload.grad_files import GradFiles, _widen
 from meshspeed.offload.hostmem import ALIGN, host_empty
 from meshspeed.testing import run_distributed
 from meshspeed.testing.parity import full_state_dict, make_batches
@@ -121,3 +124,46 @@ def test_bf16_and_fp16_with_fp32_reduction_and_accumulation_equal_gradients_in_m
         assert nvme[0] == base[0], f"{name}: losses differ: {nvme[0]} vs {base[0]}"
         for key in base[1]:
             assert torch.equal(nvme[1][key], base[1][key]), (name, key)
+
+
+def _unit(dtype, values, spans):
+    masters = [torch.nn.Parameter(torch.zeros(n)) for _, n in spans]
+    return SimpleNamespace(dtype=dtype, grad_shard=values.to(dtype),
+                           spans=[SimpleNamespace(offset=o, numel=n) for o, n in spans], masters=masters)
+
+
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+def test_a_round_trip_through_the_files_is_the_in_memory_arithmetic(narrow, tmp_path):
+    """GradFiles alone, a 16-bit unit next to an fp32 one in one sub-group: what `finish`
+    and `read` give back is the shard widened, times 1/loss scale, times the clip
+    coefficient (the in-memory order); the norms are those of the unscaled fp32 spans;
+    the 16-bit file is 2 bytes an element (rounded up to 4 KiB), the fp32 one 4."""
+    g = torch.Generator().manual_seed(0)
+    units = [_unit(narrow, torch.randn(5000, generator=g) * 300, [(0, 1200), (1200, 3800)]),
+             _unit(torch.float32, torch.randn(5000, generator=g), [(0, 5000)])]
+    files = GradFiles(str(tmp_path), SwapEngine(), SimpleNamespace(units=units))
+    files.loss_scale = 2.0 ** 10
+    for unit in units:
+        files.land(unit)
+    files.wait()
+    assert [os.path.getsize(files.path(u)) for u in (0, 1)] == [12288, 20480]
+
+    def expected(u, lo, n, coef=None):
+        out = units[u].grad_shard[lo : lo + n].float() * (1.0 / 2 ** 10)
+        return out if coef is None else out * coef
+
+    for unit in units:
+        for s, m in zip(unit.spans, unit.masters):
+            want = torch.linalg.vector_norm(expected(units.index(unit), s.offset, s.numel))
+            assert torch.equal(files.norms([m]), want.reshape(1))
+    coef = torch.tensor(0.37)
+    files.clip_(coef)
+    runs = [(0, 0, 0, 1200), (1, 0, 1200, 3000), (0, 1200, 4200, 3800)]  # (unit, file, buffer, numel)
+    buf = host_empty(8192, align=ALIGN)
+    for request in files.read_runs(runs, buf):
+        request.wait()
+    files.finish(runs, buf)
+    for u, f, b, n in runs:
+        assert torch.equal(buf[b : b + n], expected(u, f, n, coef)), (u, f)
+    assert torch.equal(files.read(units[0], 1000, 700), expected(0, 1000, 700, coef))
+    files.close()
