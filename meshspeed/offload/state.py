@@ -291,8 +291,8 @@ class SwapStore:
     def acquire(self, handle: _Handle, stepped: list[bool]) -> dict[str, list]:
         for r in handle.reads:
             r.wait()
-        if handle.grad is not None and self.grads.coef is not None:
-            handle.grad[: handle.sg.numel].mul_(self.grads.coef)  # the engine's clipping
+        if handle.grad is not None:  # widened, unscaled, clipped (Note [16-bit gradient files])
+            self.grads.finish(self.runs[handle.sg.index], handle.grad)
         sg = handle.sg
         lists = {}
         for key, buf in handle.buffers.items():

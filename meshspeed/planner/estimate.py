@@ -132,8 +132,10 @@ def estimate_memory(
     psi = -(-split // tp) + (total_psi - split)  # what one tp rank holds
     shard = -(-psi // dp)  # ceil, in integers
     # an offloaded optimizer consumes fp32 gradients: host buffers for "cpu" (Note [one
-    # gradient copy between steps]), files for "nvme" (Note [gradients in their NVMe slot])
-    stored_grad_bytes = FP32 if offload_optimizer is not None and stage >= 2 else grad_bytes
+    # gradient copy between steps]); for "nvme" files in the training dtype (Note [16-bit
+    # gradient files]), widened as the step reads them
+    stored_grad_bytes = (param_bytes if offload_optimizer == "nvme" else FP32) \
+        if offload_optimizer is not None and stage >= 2 else grad_bytes
     per_param = {"params": param_bytes, "grads": stored_grad_bytes, "optimizer_states": optimizer_bytes}
     states = {
         name: math.ceil((shard if name in SHARDED[stage] else psi) * nbytes)

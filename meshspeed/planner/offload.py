@@ -20,8 +20,11 @@ config and from the largest unit and parameter, not from the model's size:
   gathered_params         the root unit (embedding + head: whole for all of forward and
                           backward) plus stage3_max_live_parameters + one prefetch bucket
                           of blocks (at least one block), 16-bit
-  unit_gradient           the largest unit's (usually the root's) reduced 16-bit shard
-                          and its fp32 copy on its way to the file
+  unit_gradient           the largest unit's (usually the root's) reduced 16-bit shard,
+                          with, on its way to the file, one master's span in fp32 (its
+                          norm) and then its aligned 16-bit copy (Note [16-bit gradient
+                          files] in meshspeed/offload/grad_files.py): counted as an fp32
+                          copy of the whole shard, which bounds both
   writes_in_flight        2 x 256 MiB (Note [bounded writes in flight] in
                           meshspeed/offload/masters.py: published 16-bit ranges and
                           landed gradients)

@@ -26,15 +26,16 @@ def _everything_on_nvme(path, stage=3):
 
 
 def test_fp16_overflow_skips_and_clipping_equal_gradients_in_memory(tmp_path):
-    """fp16 from a loss scale of 2**40: the first steps overflow and are skipped on every
-    rank, the scale comes down, clipping is active; skips, norms, losses and parameters
-    are those of the same run without offload."""
-    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 40, "loss_scale_window": 2,
+    """fp16 from a loss scale of 2**20: the first steps overflow and are skipped on every
+    rank, the scale comes down and the rest step on loss-scaled 16-bit gradient files,
+    clipping is active; skips, norms, losses and parameters are those of the same run
+    without offload."""
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2,
                      "hysteresis": 1}, **exact_adamw()}
     kw = {"precision": "fp16", "clip": 0.05, "steps": 6, "extra_config": fp16}
     setups = [setup(3, **kw), setup(3, _everything_on_nvme(tmp_path), **kw)]
     base, nvme = run_distributed(_both, world_size=2, args=(setups,), timeout=300)[0]
-    assert base[2] > 0, "the run was meant to overflow at least once"
+    assert 0 < base[2] < 6, f"the run was meant to skip some steps and take some, skipped {base[2]}"
     assert nvme[2] == base[2], f"skipped steps: {nvme[2]} with gradient files, {base[2]} without"
     assert nvme[3] == base[3], f"last gradient norm {nvme[3]} vs {base[3]}"
     assert nvme[0] == base[0], f"losses differ: {nvme[0]} vs {base[0]}"
@@ -54,8 +55,8 @@ def test_no_gradient_held_in_memory_and_safe_get_full_grad_reads_the_file(stage,
     for name, g in base["grads"].items():
         assert nvme["grads"][name] is not None, name
         assert torch.equal(nvme["grads"][name], g), name
-    # the files hold each rank's owned range in fp32; nothing of it stays in memory
-    assert nvme["grad_files"] >= 4 * nvme["owned"]
+    # the files hold each rank's owned range in bf16; nothing of it stays in memory
+    assert 2 * nvme["owned"] <= nvme["grad_files"] < 4 * nvme["owned"]
     # memory_breakdown counts the gradients from their files: none is in memory
     assert nvme["mem"]["grads"] == nvme["grad_files"], nvme["mem"]
     assert base["mem"]["grads"] >= 2 * base["owned"]  # (the run without offload keeps them)
@@ -74,8 +75,9 @@ def test_each_rank_moves_only_its_own_slices(tmp_path):
     and writes its own 1/2 of every state, so a step moves half the bytes per rank that
     it moves at dp 1 (and the two ranks together the same total), and the bytes are the
     per-parameter sum of what a step touches: the 16-bit shard read for forward and for
-    backward and written once, and fp32 masters, two moments and the gradient each read
-    and written (the gradient written at the boundary, read by the step)."""
+    backward and written once, fp32 masters and two moments each read and written, and the
+    16-bit gradient written at the boundary and read by the step (Note [16-bit gradient
+    files]): 2 bytes a parameter each way, not fp32's 4."""
     kw = {"precision": "bf16", "steps": 2, "extra_config": exact_adamw()}
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -84,7 +86,7 @@ def test_each_rank_moves_only_its_own_slices(tmp_path):
     two = run_distributed(_io, world_size=2, args=([setup(3, _everything_on_nvme(tmp_path / "b"), world=2, **kw)],),
                           timeout=300)
     two = [r[0] for r in two]
-    per_param_read, per_param_write = 2 * 2 + 4 * 4, 2 + 4 * 4
+    per_param_read, per_param_write = 2 * 2 + 3 * 4 + 2, 2 + 3 * 4 + 2
     for r in (one, *two):
         # files are written in 4 KiB-aligned requests, so allow a little over the exact sum
         assert per_param_read * r["owned"] <= r["read"] <= 1.1 * per_param_read * r["owned"] + (1 << 20), r
