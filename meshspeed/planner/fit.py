@@ -118,7 +118,7 @@ def fit(num_params: float, dp: int, stage: int, available: float, *, on_cpu: boo
     floors = floors_of(KNOBS, sizes, dp, base)
     chosen, fits_now = lower_to_fit(need, base, floors, available, KNOBS)
     out.changes = chosen
-    out.need_after = need(_apply(base, chosen))
+    out.need_after = need(apply_changes(base, chosen))
     out.fits_after = fits_now and bool(chosen)
     if not out.fits_after and rest.get("offload_optimizer") == "cpu":
         to_nvme = {"offload_optimizer": "nvme"} | (
@@ -132,7 +132,7 @@ def fit(num_params: float, dp: int, stage: int, available: float, *, on_cpu: boo
 def floors_of(knobs, sizes: UnitSizes, dp: int, base: Mapping[str, int]) -> dict[str, int]:
     """Each knob's floor (Note [the knob that fits]), rounded up to read as a setting, and
     never above its value in `base`."""
-    return {k.key: min(base[k.arg], _round_up(k.floor(sizes, dp, base))) for k in knobs}
+    return {k.key: min(base[k.arg], round_up(k.floor(sizes, dp, base))) for k in knobs}
 
 
 def lower_to_fit(need: Callable[[Mapping[str, int]], int], base: Mapping[str, int],
@@ -140,7 +140,7 @@ def lower_to_fit(need: Callable[[Mapping[str, int]], int], base: Mapping[str, in
                  knobs=KNOBS) -> tuple[dict[str, int], bool]:
     """The search of Note [the knob that fits] over `knobs` only (the others stay as in
     `base`): the knob key -> value changes, and whether `need` then fits `available`."""
-    saving = {k.key: need(_apply(base, {k.key: floors[k.key]})) for k in knobs}
+    saving = {k.key: need(apply_changes(base, {k.key: floors[k.key]})) for k in knobs}
     current = need(base)
     by_saving = sorted((k for k in knobs if saving[k.key] < current), key=lambda k: saving[k.key])
     chosen: dict[str, int] = {}
@@ -151,19 +151,19 @@ def lower_to_fit(need: Callable[[Mapping[str, int]], int], base: Mapping[str, in
     else:
         for knob in by_saving:
             chosen[knob.key] = floors[knob.key]
-            if need(_apply(base, chosen)) <= available:
+            if need(apply_changes(base, chosen)) <= available:
                 break
-    fits_now = need(_apply(base, chosen)) <= available
+    fits_now = need(apply_changes(base, chosen)) <= available
     if fits_now:  # raise each chosen knob back to the largest round value that still fits
         for knob in [k for k in knobs if k.key in chosen][::-1]:
             for value in _candidates(knob, floors[knob.key], base[knob.arg]):
-                if need(_apply(base, chosen | {knob.key: value})) <= available:
+                if need(apply_changes(base, chosen | {knob.key: value})) <= available:
                     chosen[knob.key] = value
                     break
     return chosen, fits_now
 
 
-def _apply(base: Mapping[str, int], chosen: Mapping[str, int]) -> dict[str, int]:
+def apply_changes(base: Mapping[str, int], chosen: Mapping[str, int]) -> dict[str, int]:
     by_key = {k.key: k.arg for k in KNOBS}
     return dict(base) | {by_key[key]: value for key, value in chosen.items()}
 
@@ -204,23 +204,23 @@ def format_fit(f: Fit, source: str) -> str:
 def _why(f: Fit) -> str:
     first = next(k for k in KNOBS if k.key in f.changes)
     default = " (the default)" if f.settings[first.arg] == first.default else ""
-    return (f"with {first.key} {_value(first, f.settings[first.arg])}{default} the "
+    return (f"with {first.key} {format_value(first, f.settings[first.arg])}{default} the "
             f"{first.buffer.replace('_', ' ')} need {_gb(f.buffers[first.buffer])} GB")
 
 
 def _settings(f: Fit) -> str:
-    return " and ".join(f"{k.key} {_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
+    return " and ".join(f"{k.key} {format_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
 
 
 def _flags(f: Fit) -> str:
-    return " ".join(f"{k.flag} {_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
+    return " ".join(f"{k.flag} {format_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
 
 
 def _s(f: Fit) -> str:
     return "s" if len(f.changes) == 1 else ""
 
 
-def _round_up(v: int) -> int:
+def round_up(v: int) -> int:
     """Up to two significant figures (67108864 -> 68000000), so a floor reads as a setting."""
     if v < 100:
         return v
@@ -228,7 +228,7 @@ def _round_up(v: int) -> int:
     return -(-v // step) * step
 
 
-def _value(knob: Knob, v: int) -> str:
+def format_value(knob: Knob, v: int) -> str:
     if knob.count or v < 10_000:
         return str(int(v))
     mantissa, exponent = f"{v:.2g}".split("e")

@@ -56,7 +56,16 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from meshspeed.planner.fit import INTERPRETER, KNOBS, _apply, _round_up, _value, floors_of, lower_to_fit
+from meshspeed.planner.fit import (
+    INTERPRETER,
+    KNOBS,
+    SETTINGS,
+    apply_changes,
+    floors_of,
+    format_value,
+    lower_to_fit,
+    round_up,
+)
 from meshspeed.planner.offload import UnitSizes, host_buffer_bytes, nvme_host_buffers
 
 PEAK_CAP = 8 * 2**30  # bytes a rank aims at, at most (Note [defaults that fit])
@@ -66,7 +75,9 @@ PARAM_BUFFERS = 5
 PREFETCH = "stage3_prefetch_bucket_size"
 # the settings `choose` fills in, by config key (zero_optimization's, dotted below it)
 KEYS = tuple(k.key for k in KNOBS) + (PREFETCH,)
-_ARG = {k.key: k.arg for k in KNOBS} | {PREFETCH: "prefetch_bucket_size"}
+ARGS = {k.key: k.arg for k in KNOBS} | {PREFETCH: "prefetch_bucket_size"}  # estimate keywords
+# DeepSpeed's defaults (and the estimate's when nothing is chosen), by estimate keyword
+KNOB_DEFAULTS = SETTINGS
 
 
 @dataclass
@@ -92,11 +103,11 @@ def wanted(sizes: UnitSizes, dp: int) -> dict[str, int]:
     block_slice = min(sizes.block_param, -(-sizes.block // dp)) or sizes.largest_slice(dp)
     return {
         "sub_group_size": _one_two_five(max(1, block_slice)),
-        "stage3_max_live_parameters": _round_up(sizes.root + 2 * sizes.block),
-        "offload_param.buffer_size": _round_up(max(1, -(-(sizes.block or sizes.root) // dp))),
+        "stage3_max_live_parameters": round_up(sizes.root + 2 * sizes.block),
+        "offload_param.buffer_size": round_up(max(1, -(-(sizes.block or sizes.root) // dp))),
         "offload_optimizer.buffer_count": OPTIMIZER_BUFFERS,
         "offload_param.buffer_count": PARAM_BUFFERS,
-        PREFETCH: _round_up(sizes.block),
+        PREFETCH: round_up(sizes.block),
     }
 
 
@@ -113,8 +124,8 @@ def choose(sizes: UnitSizes, dp: int, available: int | None, given: Mapping[str,
     value); `available` is MemAvailable divided among the host's ranks (None: unknown,
     then only the 8 GiB cap applies); `on_cpu`: the gathered parameters and the gradient
     staging are RAM too."""
-    start = wanted(sizes, dp) | {k: int(v) for k, v in given.items() if k in _ARG}
-    base = {_ARG[k]: v for k, v in start.items()}
+    start = wanted(sizes, dp) | {k: int(v) for k, v in given.items() if k in ARGS}
+    base = {ARGS[k]: v for k, v in start.items()}
 
     def need(values: Mapping[str, int]) -> int:
         b = nvme_host_buffers(sizes, dp=dp, param_bytes=param_bytes, comm_bytes=comm_bytes, **values)
@@ -127,14 +138,14 @@ def choose(sizes: UnitSizes, dp: int, available: int | None, given: Mapping[str,
     if need(base) > budget:
         for target in [budget] if available is None else [budget, available]:
             changes, fits = lower_to_fit(need, base, floors, target, free)
-            values = _apply(base, changes)
+            values = apply_changes(base, changes)
             if fits:
                 break
         else:
             if available is not None:
                 problem = _problem(need, values, floors, available, given)
     count = num_params if num_params is not None else sizes.root + sizes.n_blocks * sizes.block
-    by_key = {k: values[_ARG[k]] for k in KEYS}
+    by_key = {k: values[ARGS[k]] for k in KEYS}
     buffers = nvme_host_buffers(sizes, dp=dp, param_bytes=param_bytes, comm_bytes=comm_bytes, **values)
     return Choice(by_key, tuple(k for k in KEYS if k not in given), need(values), budget,
                   available, count, problem, buffers)
@@ -149,8 +160,8 @@ def _problem(need, values, floors, available, given) -> str:
             f"unset buffer setting at its smallest, and {available / 2**30:.1f} GiB is available "
             "per rank (MemAvailable over the host's ranks)")
     if fits and changes:
-        lower = " and ".join(f"zero_optimization.{k.key} from {_value(k, given[k.key])} to "
-                             f"{_value(k, changes[k.key])}" for k in KNOBS if k.key in changes)
+        lower = " and ".join(f"zero_optimization.{k.key} from {format_value(k, given[k.key])} to "
+                             f"{format_value(k, changes[k.key])}" for k in KNOBS if k.key in changes)
         return f"{head}; lower {lower} (or leave it unset to let meshspeed choose)"
     return (f"{head}; no buffer setting shrinks it further: use fewer ranks on this host or a "
             "host with more memory")
@@ -168,4 +179,4 @@ def format_choice(c: Choice) -> str:
 
 
 def _shown(knob, v: int) -> str:
-    return _value(knob if knob is not None else KNOBS[0], v)  # KNOBS[0]: a size, not a count
+    return format_value(knob if knob is not None else KNOBS[0], v)  # KNOBS[0]: a size, not a count
