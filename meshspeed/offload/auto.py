@@ -21,14 +21,14 @@ from torch import nn
 
 from meshspeed import comm
 from meshspeed.config.errors import ConfigError
-from meshspeed.offload.hostmem import available_host_bytes, local_world_size
+from meshspeed.offload.hostmem import available_host_bytes
 from meshspeed.parallel.zero.external import external_uses
 from meshspeed.parallel.zero.grouping import module_units
 from meshspeed.parallel.zero.init_shards import full_numel
 from meshspeed.planner.nvme_defaults import KEYS, choose, format_choice
 from meshspeed.planner.offload import UnitSizes
 from meshspeed.process.accelerator import get_accelerator
-from meshspeed.process.distributed import get_local_rank
+from meshspeed.process.distributed import get_local_rank, get_local_world_size
 
 log = logging.getLogger("meshspeed")
 
@@ -106,7 +106,7 @@ def _available_per_rank() -> int | None:
         t = torch.tensor(float(-1 if free is None else free), dtype=torch.float64).to(device)
         comm.all_reduce(t, op="min")
         free = None if t.item() < 0 else int(t.item())
-    return None if free is None else free // local_world_size()
+    return None if free is None else free // get_local_world_size()
 
 
 def _bytes(dtype: torch.dtype) -> int:
