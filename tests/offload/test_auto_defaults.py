@@ -24,13 +24,14 @@ GiB = 2**30
 
 def test_the_units_initialize_sees_are_the_estimates_shape():
     """`meshspeed estimate` sizes a decoder from its shape; initialize from the units the
-    strategy builds: for the reference GPT they agree (the 2B model, on the meta device)."""
-    cfg = GPTConfig(vocab_size=32768, max_seq_len=128, n_layer=37, n_head=32, d_model=2048)
+    strategy builds: for the reference GPT they agree (the 2B model's width and vocabulary,
+    4 of its 37 blocks, on the meta device)."""
+    cfg = GPTConfig(vocab_size=32768, max_seq_len=128, n_layer=4, n_head=32, d_model=2048)
     with torch.device("meta"):
         model = GPT(cfg)
     real = unit_sizes(model, 0)
-    shape = UnitSizes.of_shape(ModelShape(n_layer=37, d_model=2048, n_head=16, vocab_size=32768))
-    assert real.block == shape.block and real.n_blocks == 37
+    shape = UnitSizes.of_shape(ModelShape(n_layer=4, d_model=2048, n_head=16, vocab_size=32768))
+    assert real.block == shape.block and real.n_blocks == 4
     assert real.block_param == shape.block_param and real.root_param == shape.root_param
     assert real.root == shape.root + 2048  # the final norm rides in the root unit
     assert choose(real, 1, 22 * GiB, {}).values == choose(shape, 1, 22 * GiB, {}).values
