@@ -24,15 +24,19 @@ the step computes (sizes rounded up to two significant figures unless said):
   offload_param.buffer_count      5 (DeepSpeed's): the shard in use and reads ahead of it
   stage3_prefetch_bucket_size     one block, so that the next block is gathered while
                                   the current one runs (the Fetcher gathers nothing
-                                  ahead when a block is larger than the bucket)
+                                  ahead when a block is larger than the bucket: the
+                                  hand-set 5e7 gathered nothing ahead at 2B, whose
+                                  blocks are 5.04e7)
   stage3_max_live_parameters      the root unit and two blocks: the root stays gathered
                                   through forward and backward, plus the running block
                                   and the one gathered ahead
 
 These are the terms of Note [what an everything-on-NVMe rank holds] in
 meshspeed/planner/offload.py (`nvme_host_buffers`, the estimate's formula: one formula,
-not two). For the 2B GPT of docs/infinity.md they come to about 7 GiB with the
-interpreter, the figure of the hand-set run (7.77 GiB peak).
+not two). For the 2B GPT of docs/infinity.md they come to 6.5 GiB with the interpreter,
+7.4 GiB with the estimate's activations at micro batch 2 x 128 tokens; the hand-set values
+of its measured run (sub_group_size 2e7, buffer_count 8, max_live 2e8, buffer_size 1e8)
+come to 6.9 and 7.8 GiB, and it peaked at 7.77 GiB.
 
 The peak budget a rank aims at is min(8 GiB, half of MemAvailable / ranks on the host).
 When the starting values exceed it, `lower_to_fit` (Note [the knob that fits]) lowers the
@@ -43,9 +47,18 @@ Why not use all of MemAvailable: (1) larger buffers than the overlap needs do no
 the step faster; (2) the other half is the room of a partial-residency policy
 (`offload_param.max_in_cpu` and its optimizer counterpart keep the first units' state in
 RAM, which does cut the bytes a step moves), of the page cache that buffered swap writes
-go through, and of what the estimate does not count (heap fragmentation, activations,
-temporaries: the 2B run peaks about 0.6 GiB above its estimate); (3) 8 GiB is the figure
+go through, and of what the choice does not count (activations, which initialize does
+not know, heap fragmentation, temporaries: the 2B run peaked 0.9 GiB above its buffers
+and interpreter, about the activations the estimate gives it); (3) 8 GiB is the figure
 the 2B model was shown to train at, and a budget above it buys nothing the overlap needs.
+At 0.3B (benchmarks/infinity.py --params 3e8 --tutorial-config) the chosen values peaked
+at 2.54-2.61 GiB where the estimate, activations included, says 2.9 GiB, and the hand-set
+2B values at 3.02 GiB; the losses were the same bit for bit.
+
+A value that equals DeepSpeed's default is still the user's when it is written: the
+dict in DeepSpeed's own ZeRO tutorial writes `sub_group_size` 1e9 and
+`stage3_max_live_parameters` 1e9, which are then kept, fitted around, and refused, naming
+sub_group_size, only when MemAvailable cannot hold them.
 Pure arithmetic, like the estimate: initialize (meshspeed/offload/auto.py) and
 `meshspeed estimate` call `choose` with the same sizes and print the same line.
 """
