@@ -105,3 +105,14 @@ def test_estimate_prints_the_same_choice(capsys):
     # nothing fits: the line says which setting to lower
     assert cli_main([*args[:-1], "11GiB", "--sub-group-size", "1e9"]) == 0
     assert "lower zero_optimization.sub_group_size from 1e9 to 2e8" in capsys.readouterr().out
+
+
+def test_deepspeeds_tutorial_dict_is_kept_as_written():
+    """DeepSpeed's ZeRO tutorial writes DeepSpeed's defaults out: set, so kept."""
+    written = {"sub_group_size": 10**9, "stage3_max_live_parameters": 10**9,
+               "stage3_prefetch_bucket_size": 10**7}
+    c = choose(TWO_B, 1, HERE, written)
+    assert c.fits and {k: c.values[k] for k in written} == written
+    assert set(c.chosen) == set(KEYS) - set(written)
+    refused = choose(TWO_B, 1, 11 * GiB, written)
+    assert "lower zero_optimization.sub_group_size from 1e9" in refused.problem
