@@ -104,6 +104,8 @@ def gpt_config(params: float, vocab: int, seq: int, d_model: int | None = None):
 
 
 def ds_config(args, nvme: str) -> dict:
+    if args.tutorial_config:  # the knobs unset: initialize chooses them (Note [defaults that fit])
+        return tutorial_config(args, nvme)
     return {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
@@ -123,6 +125,32 @@ def ds_config(args, nvme: str) -> dict:
                               "buffer_size": args.param_buffer_size},
         },
     }
+
+
+def tutorial_config(args, nvme: str) -> dict:
+    """DeepSpeed's ZeRO-Infinity tutorial config: stage 3, both offloads on nvme, no buffer
+    setting (meshspeed chooses them from the model and MemAvailable)."""
+    return {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "bf16": {"enabled": True},
+        "aio": {"thread_count": args.aio_threads, "queue_depth": 8},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3,
+                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+                              "offload_param": {"device": "nvme", "nvme_path": nvme}},
+    }
+
+
+def chosen_settings(engine) -> dict:
+    """The buffer settings the engine runs with (the user's or those initialize chose)."""
+    z = engine.config.zero_optimization
+    return {"sub_group_size": z.sub_group_size, "stage3_max_live_parameters": z.stage3_max_live_parameters,
+            "stage3_prefetch_bucket_size": z.stage3_prefetch_bucket_size,
+            "offload_optimizer.buffer_count": z.offload_optimizer.buffer_count,
+            "offload_param.buffer_count": z.offload_param.buffer_count,
+            "offload_param.buffer_size": z.offload_param.buffer_size}
 
 
 def swap_bytes(root: str) -> int:
@@ -188,6 +216,7 @@ def run(args) -> dict:
     with RssSampler(args.sample_ms / 1000) as sampler:
         model, engine = _build(args, cfg, sampler, nvme)
         rank = comm.get_rank()
+        out["settings"] = chosen_settings(engine)
         out["params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
         x, y = _batch(args, cfg, rank)
         losses, times, io = [], [], []
@@ -311,6 +340,9 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count")
     ap.add_argument("--sample-ms", type=float, default=20)
+    ap.add_argument("--tutorial-config", action="store_true",
+                    help="DeepSpeed's ZeRO-Infinity tutorial config: the buffer settings above are "
+                         "ignored and initialize chooses them")
 
 
 def main() -> None:
@@ -372,6 +404,7 @@ def main() -> None:
         "checkpoint": out.get("checkpoint"), "phase_peaks_gib": {k: round(v / gib, 2) for k, v in out["phase_peaks"].items()},
         "memory_breakdown_gib": {k: round(v / gib, 2) for k, v in out["memory_breakdown"].items() if isinstance(v, int)},
         "tiers_gib": {k: round(v / gib, 2) for k, v in out["memory_breakdown"]["tiers"].items()},
+        "settings": out["settings"],
     }
     summary["commit"] = commit
     summary["command"] = " ".join(["PYTHONPATH=. .venv/bin/python benchmarks/infinity.py", *sys.argv[1:]])

@@ -46,7 +46,13 @@ from meshspeed.engine.unused import UnusedParameterCheck
 from meshspeed.moe.axis import apply_ep
 from meshspeed.moe.utils import expert_layers
 from meshspeed.monitor.autotune_hooks import start_probe
-from meshspeed.offload import check_host_memory, check_offload, offload_optimizer, offload_placement
+from meshspeed.offload import (
+    check_host_memory,
+    check_offload,
+    choose_unset_knobs,
+    offload_optimizer,
+    offload_placement,
+)
 from meshspeed.optim.builder import ParamSelection, adopt_client_optimizer, build_optimizer
 from meshspeed.optim.no_optimizer import NoOptimizer
 from meshspeed.optim.precision import build_scaler
@@ -113,6 +119,8 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
     module = _cast(model, device, cfg.precision_dtype)
     if pipeline is not None:
         pipeline.tie()  # collective: every rank makes the tied groups
+    # ZeRO-Infinity's unset buffer settings, from the units about to be built (offload/auto.py)
+    cfg = choose_unset_knobs(cfg, module, mesh.size("dp_cp"), on_cpu=device.type == "cpu")
     placement = offload_placement(cfg)
     experts = apply_ep(module, mesh, cfg, device)
     strategy = apply_dp(module, mesh, cfg, placement=placement, experts=experts,

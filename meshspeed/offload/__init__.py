@@ -9,10 +9,12 @@ optimizer state in swap files on NVMe.
   aio.py        the swap engine (threaded, O_DIRECT where possible); swapdir.py its files
   tiers.py      device / host / nvme byte accounting for engine.memory_breakdown()
   setup.py      what meshspeed.initialize calls
+  auto.py       ZeRO-Infinity's unset buffer settings, chosen (Note [defaults that fit])
 See docs/offload.md.
 """
 
 from meshspeed.offload.aio import SwapEngine
+from meshspeed.offload.auto import choose_unset_knobs
 from meshspeed.offload.optimizer import BackgroundStep, OffloadOptimizer
 from meshspeed.offload.placement import OffloadPlacement
 from meshspeed.offload.setup import (
@@ -32,6 +34,7 @@ __all__ = [
     "add_tiers",
     "check_host_memory",
     "check_offload",
+    "choose_unset_knobs",
     "close",
     "flush",
     "offload_optimizer",

@@ -2,6 +2,7 @@
 
 `meshspeed.initialize` calls, in order:
   check_offload(cfg, client_optimizer)    -> ConfigError before anything is built
+  choose_unset_knobs(cfg, module, dp)     -> ZeRO-Infinity's unset buffer settings (auto.py)
   offload_placement(cfg)                  -> an OffloadPlacement for Zero, or None
   check_host_memory(strategy, cfg)        -> ConfigError when the host cannot hold it
   offload_optimizer(optimizer, cfg, placement) -> the optimizer, or OffloadOptimizer

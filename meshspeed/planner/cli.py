@@ -25,6 +25,8 @@ from meshspeed.planner.estimate import (
 )
 from meshspeed.planner.fit import fit, format_fit
 from meshspeed.planner.hardware import available_memory, parse_bytes
+from meshspeed.planner.nvme_defaults import ARGS, KNOB_DEFAULTS, choose, format_choice
+from meshspeed.planner.offload import UnitSizes, assumed_shape
 
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _SHAPE_ARGS = ("layers", "d_model", "heads", "vocab")
@@ -62,14 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-optimizer", choices=("cpu", "nvme"))
     parser.add_argument("--offload-param", choices=("cpu", "nvme"), help="stage 3 only")
     parser.add_argument("--reduce-bucket-size", type=_count, default=5e8)
-    parser.add_argument("--prefetch-bucket-size", type=_count, default=5e7)
-    parser.add_argument("--max-live-parameters", type=_count, default=1e9)
-    parser.add_argument("--sub-group-size", type=_count, default=1e9,
+    # the buffer settings below default to DeepSpeed's (5e7, 1e9, 1e9, 4, 5, 1e8), except
+    # with both offloads on nvme and --dp: then those not given are chosen as initialize
+    # chooses them (meshspeed/planner/nvme_defaults.py, Note [defaults that fit])
+    parser.add_argument("--prefetch-bucket-size", type=_count)
+    parser.add_argument("--max-live-parameters", type=_count)
+    parser.add_argument("--sub-group-size", type=_count,
                         help="zero_optimization.sub_group_size (ZeRO-Infinity buffers)")
-    parser.add_argument("--optimizer-buffer-count", type=int, default=4,
-                        help="offload_optimizer.buffer_count")
-    parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count")
-    parser.add_argument("--param-buffer-size", type=_count, default=1e8, help="offload_param.buffer_size")
+    parser.add_argument("--optimizer-buffer-count", type=int, help="offload_optimizer.buffer_count")
+    parser.add_argument("--param-buffer-count", type=int, help="offload_param.buffer_count")
+    parser.add_argument("--param-buffer-size", type=_count, help="offload_param.buffer_size")
     parser.add_argument("--no-overlap-comm", action="store_true",
                         help="one gradient bucket instead of two")
     memory = parser.add_argument_group("host memory (with offload: does a rank fit?)")
@@ -126,15 +130,12 @@ def main(args: argparse.Namespace) -> int:
             "activation_checkpointing": args.activation_checkpointing,
             "overlap_comm": not args.no_overlap_comm,
             "reduce_bucket_size": int(args.reduce_bucket_size),
-            "prefetch_bucket_size": int(args.prefetch_bucket_size),
-            "max_live_parameters": int(args.max_live_parameters),
             "tp": args.tp,
             "sequence_parallel": args.sequence_parallel,
-            "sub_group_size": int(args.sub_group_size),
-            "optimizer_buffer_count": args.optimizer_buffer_count,
-            "param_buffer_count": args.param_buffer_count,
-            "param_buffer_size": int(args.param_buffer_size),
         }
+        chosen = _chosen_knobs(args, shape, num_params)
+        kwargs.update({arg: int(v) if v is not None else chosen.get(arg, default)
+                       for arg, default in KNOB_DEFAULTS.items() for v in [getattr(args, arg)]})
         if args.dp is None:
             rows = estimate_table(num_params, stages=stages, **kwargs)
             text = format_table(rows)
@@ -144,6 +145,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             payload = [estimate_memory(num_params, args.dp, s, **kwargs) for s in stages]
             text = format_report(payload)
+            if "line" in chosen:
+                text += "\n" + chosen["line"]
             for est in payload:
                 line = _host_memory(est, kwargs, args)
                 if line:
@@ -155,6 +158,33 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chosen_knobs(args: argparse.Namespace, shape, num_params: float) -> dict:
+    """ZeRO-Infinity's buffer settings not given on the command line, chosen as initialize
+    chooses them (Note [defaults that fit]), by estimate keyword, with the one line it logs
+    under "line"; empty unless both offloads are on nvme at one --dp and tp 1."""
+    if not (args.offload_optimizer == args.offload_param == "nvme" and args.dp is not None
+            and args.tp == 1 and args.stage in (None, 3)):
+        return {}
+    given = {key: int(getattr(args, arg)) for key, arg in ARGS.items()
+             if getattr(args, arg) is not None}
+    if len(given) == len(ARGS):
+        return {}
+    available = _available(args)[0]
+    per_rank = None if available is None else int(available // max(1, args.ranks_per_host))
+    sizes = UnitSizes.of(shape if shape is not None else assumed_shape(num_params))
+    choice = choose(sizes, args.dp, per_rank, given, on_cpu=(args.device or _detect_device()) == "cpu",
+                    param_bytes=args.param_bytes, comm_bytes=args.comm_bytes or 4,
+                    num_params=round(num_params))
+    line = format_choice(choice) if choice.fits else f"ZeRO-Infinity: nothing fits: {choice.problem}"
+    return {ARGS[k]: choice.values[k] for k in choice.chosen} | {"line": line}
+
+
+def _available(args: argparse.Namespace) -> tuple[float | None, str]:
+    if args.host_memory is not None:
+        return args.host_memory, "--host-memory"
+    return available_memory(), "MemAvailable"
+
+
 def _host_memory(est: dict, kwargs: dict, args: argparse.Namespace) -> str | None:
     """The host-memory verdict for an estimate that offloads (Note [the knob that fits] in
     meshspeed/planner/fit.py), stored in the estimate as "host_memory"; None otherwise."""
@@ -162,9 +192,7 @@ def _host_memory(est: dict, kwargs: dict, args: argparse.Namespace) -> str | Non
         return None
     if args.ranks_per_host < 1:
         raise ValueError(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
-    available, source = args.host_memory, "--host-memory"
-    if available is None:
-        available, source = available_memory(), "MemAvailable"
+    available, source = _available(args)
     if available is None:
         return "host memory: not checked (no MemAvailable in /proc/meminfo; pass --host-memory)"
     on_cpu = (args.device or _detect_device()) == "cpu"

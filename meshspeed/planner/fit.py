@@ -23,9 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshspeed.planner.activations import ModelShape, block_param_count
 from meshspeed.planner.estimate import estimate_memory
-from meshspeed.planner.offload import assumed_shape, root_param_count
+from meshspeed.planner.offload import UnitSizes, assumed_shape
 
 INTERPRETER = 0.25 * 2**30  # Python and torch themselves, per process (offload.py's Note)
 
@@ -39,21 +38,20 @@ class Knob:
     arg: str
     buffer: str  # the nvme_host_buffers item it sizes
     default: int  # DeepSpeed's (and meshspeed's) default
-    floor: Callable[[ModelShape, int, Mapping[str, int]], int]  # (shape, dp, settings)
+    floor: Callable[[UnitSizes, int, Mapping[str, int]], int]  # (sizes, dp, settings)
     count: bool = False  # a number of buffers (steps of 1), not a size in elements
 
 
-def _largest_slice(s: ModelShape, dp: int, _: Mapping[str, int]) -> int:
-    root, block = root_param_count(s), block_param_count(s)
-    return max(min(s.vocab_size * s.d_model, -(-root // dp)), min(s.ffn * s.d_model, -(-block // dp)))
+def _largest_slice(u: UnitSizes, dp: int, _: Mapping[str, int]) -> int:
+    return u.largest_slice(dp)
 
 
-def _one_block(s: ModelShape, _: int, settings: Mapping[str, int]) -> int:
-    return max(0, block_param_count(s) - settings["prefetch_bucket_size"])
+def _one_block(u: UnitSizes, _: int, settings: Mapping[str, int]) -> int:
+    return max(0, u.block - settings["prefetch_bucket_size"])
 
 
-def _block_shard(s: ModelShape, dp: int, _: Mapping[str, int]) -> int:
-    return -(-block_param_count(s) // dp)
+def _block_shard(u: UnitSizes, dp: int, _: Mapping[str, int]) -> int:
+    return -(-u.block // dp)
 
 
 KNOBS = (
@@ -115,30 +113,12 @@ def fit(num_params: float, dp: int, stage: int, available: float, *, on_cpu: boo
     out = Fit(need(base), int(available), on_cpu, ranks, dict(base), dict(buffers))
     if out.fits:
         return out
-    shape = ModelShape.from_any(rest.get("model_shape") or first.get("assumed_shape")
-                                or assumed_shape(num_params))
-    floors = {k.key: min(base[k.arg], _round_up(k.floor(shape, dp, base))) for k in KNOBS}
-    saving = {k.key: need(_apply(base, {k.key: floors[k.key]})) for k in KNOBS}
-    by_saving = sorted((k for k in KNOBS if saving[k.key] < out.need), key=lambda k: saving[k.key])
-    chosen: dict[str, int] = {}
-    for knob in by_saving:  # one alone if one suffices, else the biggest savers together
-        if saving[knob.key] <= available:
-            chosen = {knob.key: floors[knob.key]}
-            break
-    else:
-        for knob in by_saving:
-            chosen[knob.key] = floors[knob.key]
-            if need(_apply(base, chosen)) <= available:
-                break
-    fits_now = need(_apply(base, chosen)) <= available
-    if fits_now:  # raise each chosen knob back to the largest round value that still fits
-        for knob in [k for k in KNOBS if k.key in chosen][::-1]:
-            for value in _candidates(knob, floors[knob.key], base[knob.arg]):
-                if need(_apply(base, chosen | {knob.key: value})) <= available:
-                    chosen[knob.key] = value
-                    break
+    sizes = UnitSizes.of(rest.get("model_shape") or first.get("assumed_shape")
+                         or assumed_shape(num_params))
+    floors = floors_of(KNOBS, sizes, dp, base)
+    chosen, fits_now = lower_to_fit(need, base, floors, available, KNOBS)
     out.changes = chosen
-    out.need_after = need(_apply(base, chosen))
+    out.need_after = need(apply_changes(base, chosen))
     out.fits_after = fits_now and bool(chosen)
     if not out.fits_after and rest.get("offload_optimizer") == "cpu":
         to_nvme = {"offload_optimizer": "nvme"} | (
@@ -149,7 +129,41 @@ def fit(num_params: float, dp: int, stage: int, available: float, *, on_cpu: boo
     return out
 
 
-def _apply(base: Mapping[str, int], chosen: Mapping[str, int]) -> dict[str, int]:
+def floors_of(knobs, sizes: UnitSizes, dp: int, base: Mapping[str, int]) -> dict[str, int]:
+    """Each knob's floor (Note [the knob that fits]), rounded up to read as a setting, and
+    never above its value in `base`."""
+    return {k.key: min(base[k.arg], round_up(k.floor(sizes, dp, base))) for k in knobs}
+
+
+def lower_to_fit(need: Callable[[Mapping[str, int]], int], base: Mapping[str, int],
+                 floors: Mapping[str, int], available: float,
+                 knobs=KNOBS) -> tuple[dict[str, int], bool]:
+    """The search of Note [the knob that fits] over `knobs` only (the others stay as in
+    `base`): the knob key -> value changes, and whether `need` then fits `available`."""
+    saving = {k.key: need(apply_changes(base, {k.key: floors[k.key]})) for k in knobs}
+    current = need(base)
+    by_saving = sorted((k for k in knobs if saving[k.key] < current), key=lambda k: saving[k.key])
+    chosen: dict[str, int] = {}
+    for knob in by_saving:  # one alone if one suffices, else the biggest savers together
+        if saving[knob.key] <= available:
+            chosen = {knob.key: floors[knob.key]}
+            break
+    else:
+        for knob in by_saving:
+            chosen[knob.key] = floors[knob.key]
+            if need(apply_changes(base, chosen)) <= available:
+                break
+    fits_now = need(apply_changes(base, chosen)) <= available
+    if fits_now:  # raise each chosen knob back to the largest round value that still fits
+        for knob in [k for k in knobs if k.key in chosen][::-1]:
+            for value in _candidates(knob, floors[knob.key], base[knob.arg]):
+                if need(apply_changes(base, chosen | {knob.key: value})) <= available:
+                    chosen[knob.key] = value
+                    break
+    return chosen, fits_now
+
+
+def apply_changes(base: Mapping[str, int], chosen: Mapping[str, int]) -> dict[str, int]:
     by_key = {k.key: k.arg for k in KNOBS}
     return dict(base) | {by_key[key]: value for key, value in chosen.items()}
 
@@ -190,23 +204,23 @@ def format_fit(f: Fit, source: str) -> str:
 def _why(f: Fit) -> str:
     first = next(k for k in KNOBS if k.key in f.changes)
     default = " (the default)" if f.settings[first.arg] == first.default else ""
-    return (f"with {first.key} {_value(first, f.settings[first.arg])}{default} the "
+    return (f"with {first.key} {format_value(first, f.settings[first.arg])}{default} the "
             f"{first.buffer.replace('_', ' ')} need {_gb(f.buffers[first.buffer])} GB")
 
 
 def _settings(f: Fit) -> str:
-    return " and ".join(f"{k.key} {_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
+    return " and ".join(f"{k.key} {format_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
 
 
 def _flags(f: Fit) -> str:
-    return " ".join(f"{k.flag} {_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
+    return " ".join(f"{k.flag} {format_value(k, f.changes[k.key])}" for k in KNOBS if k.key in f.changes)
 
 
 def _s(f: Fit) -> str:
     return "s" if len(f.changes) == 1 else ""
 
 
-def _round_up(v: int) -> int:
+def round_up(v: int) -> int:
     """Up to two significant figures (67108864 -> 68000000), so a floor reads as a setting."""
     if v < 100:
         return v
@@ -214,7 +228,7 @@ def _round_up(v: int) -> int:
     return -(-v // step) * step
 
 
-def _value(knob: Knob, v: int) -> str:
+def format_value(knob: Knob, v: int) -> str:
     if knob.count or v < 10_000:
         return str(int(v))
     mantissa, exponent = f"{v:.2g}".split("e")

@@ -52,6 +52,8 @@ real shape (--layers/--d-model/--heads/--vocab) replaces it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from meshspeed.planner.activations import ModelShape, block_param_count, param_count
 
@@ -69,23 +71,50 @@ def root_param_count(shape: ModelShape) -> int:
     return shape.vocab_size * shape.d_model * (1 if shape.tie_embeddings else 2)
 
 
+@dataclass(frozen=True)
+class UnitSizes:
+    """What the buffers depend on (Note [what an everything-on-NVMe rank holds]), in
+    elements: the root unit, the largest block unit and how many blocks, and the largest
+    parameter of each. `of_shape` reads them off a decoder's shape; initialize reads them
+    off the model's stage-3 units (meshspeed/offload/auto.py)."""
+
+    root: int
+    block: int
+    n_blocks: int
+    root_param: int
+    block_param: int
+
+    @classmethod
+    def of_shape(cls, shape: Any) -> UnitSizes:
+        s = ModelShape.from_any(shape)
+        return cls(root=root_param_count(s), block=block_param_count(s), n_blocks=s.n_layer,
+                   root_param=s.vocab_size * s.d_model, block_param=s.ffn * s.d_model)
+
+    @classmethod
+    def of(cls, sizes: Any) -> UnitSizes:
+        return sizes if isinstance(sizes, UnitSizes) else cls.of_shape(sizes)
+
+    def largest_slice(self, dp: int) -> int:
+        """A rank's largest slice of one parameter: a range boundary can leave a whole
+        parameter in one rank's range, and a range is at most its unit's 1/dp."""
+        return max(min(self.root_param, -(-self.root // dp)),
+                   min(self.block_param, -(-self.block // dp)))
+
+
 def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes: float = 4,
                       sub_group_size: int = 1_000_000_000, optimizer_buffer_count: int = 4,
                       param_buffer_count: int = 5, param_buffer_size: int = 100_000_000,
                       max_live_parameters: int = 1_000_000_000,
                       prefetch_bucket_size: int = 50_000_000) -> dict[str, int]:
-    """Bytes per rank of each buffer of Note [what an everything-on-NVMe rank holds]."""
-    s = ModelShape.from_any(shape)
-    block, root = block_param_count(s), root_param_count(s)
-    shard = -(-(root + s.n_layer * block) // dp)
+    """Bytes per rank of each buffer of Note [what an everything-on-NVMe rank holds], for a
+    ModelShape (or anything `ModelShape.from_any` takes) or a `UnitSizes`."""
+    u = UnitSizes.of(shape)
+    block, root = u.block, u.root
+    shard = -(-(root + u.n_blocks * block) // dp)
     largest_unit_shard = max(-(-root // dp), -(-block // dp))
-    # a rank's range of a unit can hold a whole parameter (where the range boundaries fall),
-    # so its largest slice is at most the parameter and at most its unit's 1/dp
-    largest_slice = max(min(s.vocab_size * s.d_model, -(-root // dp)),
-                        min(s.ffn * s.d_model, -(-block // dp)))
-    sub_group = max(min(sub_group_size, shard), largest_slice)
-    in_flight = root + min(2, s.n_layer) * block
-    live_blocks = min(s.n_layer * block, max(block, max_live_parameters + prefetch_bucket_size))
+    sub_group = max(min(sub_group_size, shard), u.largest_slice(dp))
+    in_flight = root + min(2, u.n_blocks) * block
+    live_blocks = min(u.n_blocks * block, max(block, max_live_parameters + prefetch_bucket_size))
     out = {
         "optimizer_swap_buffers": optimizer_buffer_count * sub_group * FP32,
         "param_swap_buffers": math.ceil(

@@ -17,6 +17,10 @@ from meshspeed.planner.offload import assumed_shape, nvme_host_buffers
 
 GB = 10**9
 INFINITY = ["--offload-optimizer", "nvme", "--offload-param", "nvme"]
+# DeepSpeed's buffer settings, given: without them the estimate chooses the unset ones as
+# initialize does (tests/planner/test_nvme_defaults.py)
+DS_KNOBS = ["--sub-group-size", "1e9", "--optimizer-buffer-count", "4", "--param-buffer-count", "5",
+            "--param-buffer-size", "1e8", "--max-live-parameters", "1e9", "--prefetch-bucket-size", "5e7"]
 # docs/infinity.md's 2B model: the reference GPT, d_model 2048, 37 blocks, vocab 32768
 TWO_B = ModelShape(n_layer=37, d_model=2048, n_head=16, vocab_size=32768)
 
@@ -38,7 +42,7 @@ def test_params_alone_itemise_the_buffers_and_say_which_shape(capsys):
     assert est["detail"]["offload_buffers"] == nvme_host_buffers(TWO_B)
     assert est["activations"] == 0  # no sequence length: not estimated, and said so
 
-    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", *INFINITY,
+    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", *INFINITY, *DS_KNOBS,
                      "--host-memory", "1TB", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "in memory with everything on NVMe (stage 3): 22.6" in out
@@ -90,15 +94,15 @@ def test_footer_lists_only_what_is_left_out(capsys):
 
 
 def test_short_memory_names_the_knob_and_the_value_that_fits(capsys):
-    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", *INFINITY, "--device", "cpu",
-                     "--host-memory", "20e9", "--json"]) == 0
+    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", *INFINITY, *DS_KNOBS, "--device",
+                     "cpu", "--host-memory", "20e9", "--json"]) == 0
     (est,) = json.loads(capsys.readouterr().out)
     verdict = est["host_memory"]
     assert not verdict["fits"] and verdict["changes"] == {"sub_group_size": 500_000_000}
     assert verdict["need_after"] <= 20e9 < verdict["need"]
 
-    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", *INFINITY, "--device", "cpu",
-                     "--host-memory", "20e9"]) == 0
+    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", *INFINITY, *DS_KNOBS, "--device",
+                     "cpu", "--host-memory", "20e9"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("host memory: does not fit, 22.9 GB")
     assert "with sub_group_size 1e9 (the default) the optimizer swap buffers need 16 GB" in line
@@ -106,8 +110,8 @@ def test_short_memory_names_the_knob_and_the_value_that_fits(capsys):
 
 
 def test_ample_memory_gives_no_knob(capsys):
-    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", *INFINITY, "--device", "cpu",
-                     "--host-memory", "64GiB"]) == 0
+    assert cli_main(["estimate", "--params", "2e9", "--dp", "1", *INFINITY, *DS_KNOBS, "--device",
+                     "cpu", "--host-memory", "64GiB"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("host memory: fits, 22.9 GB")
     assert "sub_group_size" not in line and "--" not in line.replace("--host-memory", "")
