@@ -625,7 +625,12 @@ def write_docs(text: str, results: dict, args, command: str, commit: str) -> Non
     key = "infinity_frameworks.py" + (" tutorial-config" if args.tutorial_config else "")
     title = ("## ZeRO-Infinity side by side with DeepSpeed 0.19.8 (`benchmarks/infinity_frameworks.py`"
              + (", the tutorial's config)" if args.tutorial_config else ")"))
-    replace_section(f"{title}\n\n{text}", REPO / "docs" / "benchmarks.md", key, measured=commit)
+    doc = REPO / "docs" / "benchmarks.md"
+    main_end, start = "<!-- infinity_frameworks.py:end -->\n", f"<!-- {key}:start -->"
+    old = doc.read_text()
+    if start not in old and main_end in old:  # a new section goes right after the main one
+        doc.write_text(old.replace(main_end, f"{main_end}\n{start}\n<!-- {key}:end -->\n", 1))
+    replace_section(f"{title}\n\n{text}", doc, key, measured=commit)
     name = "infinity-frameworks" + ("-tutorial" if args.tutorial_config else "")
     slim = {k: {f: v for f, v in r.items() if f not in ("log_tail", "traceback_tail")} for k, r in results.items()}
     (REPO / "benchmarks" / "results" / f"{name}.json").write_text(
