@@ -83,3 +83,14 @@ def test_two_ranks_two_disks_halve_each_disks_bytes(tmp_path):
             assert r[key] > 0 and abs(r[key] - alone[key] / 2) <= 0.02 * alone[key], (key, r[key], alone[key])
         assert abs(r["files"][own] - alone["files"][next(iter(alone["files"]))] / 2) <= \
             0.02 * sum(alone["files"].values()), (r["files"], alone["files"])
+
+
+def test_zero_init_spills_to_this_ranks_directory(tmp_path):
+    from meshspeed.config.offload import OffloadParamConfig
+    from meshspeed.parallel.zero.init_spill import nvme_path_from
+
+    disks = [tmp_path / "disk0", tmp_path / "disk1"]
+    disks[0].mkdir()  # rank 0 (no launcher: local rank 0) needs only its own
+    cfg = OffloadParamConfig.checked({"device": "nvme", "nvme_path": [str(d) for d in disks]},
+                                     "zero_optimization.offload_param.")
+    assert nvme_path_from(cfg) == str(disks[0])
