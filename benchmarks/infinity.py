@@ -153,9 +153,9 @@ def chosen_settings(engine) -> dict:
             "offload_param.buffer_size": z.offload_param.buffer_size}
 
 
-def swap_bytes(root: str) -> int:
+def swap_bytes(root: str | list[str]) -> int:
     total = 0
-    for d, _, files in os.walk(root):
+    for d, _, files in (w for r in ([root] if isinstance(root, str) else root) for w in os.walk(r)):
         for f in files:
             total += os.path.getsize(os.path.join(d, f))
     return total
@@ -208,7 +208,8 @@ def run(args) -> dict:
     from meshspeed.offload import close
 
     torch.set_num_threads(args.threads)
-    nvme = tempfile.mkdtemp(prefix="infinity-", dir=args.nvme_path)
+    nvme = [tempfile.mkdtemp(prefix="infinity-", dir=p) for p in args.nvme_path.split(",")]
+    nvme = nvme[0] if len(nvme) == 1 else nvme  # a list: one directory per rank (Note [one disk per rank])
     cfg = gpt_config(args.params, args.vocab, args.seq, args.d_model)
     gc.collect()
     rss_start = rss_bytes()
@@ -245,7 +246,8 @@ def run(args) -> dict:
     # the training peak: the largest phase other than build/initialize
     out["train_peak"] = max(v for k, v in sampler.peaks.items() if "build" not in k and "initialize" not in k)
     out["host_bytes_per_param"] = (out["hwm"] - rss_start) / out["params"]
-    shutil.rmtree(nvme, ignore_errors=True)
+    for d in [nvme] if isinstance(nvme, str) else nvme:
+        shutil.rmtree(d, ignore_errors=True)
     return out
 
 
@@ -265,7 +267,7 @@ def _resume(args, cfg, x, y, sampler) -> dict:
     step the saved run took after saving."""
     from meshspeed.offload import close
 
-    resumed_dir = tempfile.mkdtemp(prefix="infinity-resumed-", dir=args.nvme_path)
+    resumed_dir = tempfile.mkdtemp(prefix="infinity-resumed-", dir=args.nvme_path.split(",")[0])
     sampler.phase("resume.build")
     _, fresh = _build(args, cfg, sampler, resumed_dir, phase="resume.")
     t = time.perf_counter()
@@ -326,7 +328,8 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     """The model, batch and ZeRO-Infinity config arguments (shared with infinity_frameworks.py)."""
     ap.add_argument("--params", type=float, default=0.1e9)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--nvme-path", default=tempfile.gettempdir(), help="the swap directories go under here")
+    ap.add_argument("--nvme-path", default=tempfile.gettempdir(),
+                    help="the swap directories go under here (infinity.py: A,B = one per rank, rank r on path r %% 2)")
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro", type=int, default=2)
@@ -367,7 +370,7 @@ def main() -> None:
         return
     commit = docs_stamp.require_committed() if args.write_docs else docs_stamp.begin()
     flops = matmul_peak_flops(args.threads)
-    bw_write, bw_read = disk_bandwidth(args.nvme_path, args)
+    bw_write, bw_read = disk_bandwidth(args.nvme_path.split(",")[0], args)
     results = tempfile.mkdtemp(prefix="infinity-results-")
     import torch.multiprocessing as mp
 
@@ -397,6 +400,8 @@ def main() -> None:
         "swap_gib_per_rank": [round(r["swap_bytes"] / gib, 2) for r in ranks],
         "step_s": out["step_s"], "median_step_s": step,
         "io_gb_per_step": {"read": reads / 1e9, "write": writes / 1e9},
+        "io_gb_per_step_per_rank": [{k: round(r["io_bytes"][-1][k] / 1e9, 3) for k in ("read", "write")}
+                                    for r in ranks],  # with --nvme-path A,B: rank r's on path r
         "disk_busy_fraction_per_rank": [round(b, 2) for b in busy],
         "disk_gbs": {"read": bw_read / 1e9, "write": bw_write / 1e9},
         "matmul_tflops": flops / 1e12, "io_bound_s": io_bound, "compute_bound_s": compute_bound,

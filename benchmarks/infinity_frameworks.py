@@ -52,6 +52,36 @@ the DeepSpeed worker, after its zero.Init build, loads them one parameter at a t
 time, before `initialize`, so the masters DeepSpeed makes from the bf16 parameters are the
 ones meshspeed makes). meshspeed needs no file.
 
+Note [bytes and busy time, measured alike]
+meshspeed counts its own swap bytes (meshspeed.offload.aio.io_totals); DeepSpeed does not,
+so neither count is used here. Each worker measures itself from /proc around every step
+(disk_meter.py): /proc/self/io read_bytes / write_bytes (every thread of the process: what
+it caused the storage layer to read, page-cache hits excluded, and to write, buffered
+writes when the page is dirtied), and /proc/diskstats of the block device under the swap
+directory: its sectors read and written and its io_ticks, the milliseconds it had a request
+in flight. Disk busy = io_ticks delta / the step's wall time. The device columns count
+every process on the machine and the kernel's writeback of dirty pages written earlier:
+on a shared machine they are an upper bound of the framework's own; /proc/<pid>/io is the
+framework's alone. Both frameworks get the same device and the same arithmetic.
+
+Note [the tutorial config]
+`--tutorial-config` leaves out of both frameworks' config what the ZeRO-Infinity
+tutorial does not write (TUNED: sub_group_size, stage3_max_live_parameters and both
+offloads' buffer_count, offload_param.buffer_size), so each library runs on its own
+defaults: DeepSpeed's (sub_group_size 1e9, optimizer buffer_count 4, parameter buffers 5 x
+1e8) and meshspeed's (chosen from the model and MemAvailable where it does, issue 33).
+The prefetch bucket, the persistence threshold and gradient_clipping stay written out
+(the same in both).
+
+Note [DeepSpeed at 2B, estimated]
+The 2B run is 13+ minutes a framework and DeepSpeed's peak scales past this machine, so it
+is estimated, not run: its swappers pin `param buffer_count x buffer_size` bf16 elements
+and `optimizer buffer_count x min(sub_group_size, params)` fp32 elements whatever the model,
+and the rest of its peak grows with the parameters. From this run: per-param = (peak -
+start - those buffers) / params; at 2B, start + buffers(2B) + per-param x 2B. Over 90% of
+the machine's memory says "does not fit". It is a linear extrapolation from one size;
+two sizes (`--params`) check the slope.
+
 When DeepSpeed cannot run (no venv, its async_io op cannot be built because libaio is
 missing, ...), its row says why: the error line of the worker.
 """
@@ -80,6 +110,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
+from disk_meter import DiskMeter
 from infinity import (
     RssSampler,
     add_run_arguments,
@@ -94,10 +125,23 @@ FRAMEWORKS = ("meshspeed", "deepspeed")
 GIB = 2**30
 
 
+# what `--tutorial-config` leaves unset, in both frameworks' config (Note [the tutorial config])
+TUNED = {"zero_optimization": ("sub_group_size", "stage3_max_live_parameters"),
+         "zero_optimization.offload_optimizer": ("buffer_count",),
+         "zero_optimization.offload_param": ("buffer_count", "buffer_size")}
+
+
 def config(args, nvme: str) -> dict:
     cfg = ds_config(args, nvme)
     cfg["gradient_clipping"] = 0.0
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
+    if args.tutorial_config:
+        for where, keys in TUNED.items():
+            section = cfg
+            for part in where.split("."):
+                section = section[part]
+            for key in keys:
+                del section[key]
     return cfg
 
 
@@ -211,8 +255,11 @@ def worker(args) -> dict:
         engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
         out["initialize_s"] = time.perf_counter() - t
         out["swap_bytes_initialized"] = swap_bytes(nvme)
-        losses, times, cpu, fwd_bwd = [], [], [], []
+        losses, times, cpu, fwd_bwd, io = [], [], [], [], []
+        meter = DiskMeter(nvme)  # Note [bytes and busy time, measured alike]
+        out["disk_device"] = meter.device
         for i in range(args.steps):
+            before = meter.snapshot()
             t, c = time.perf_counter(), time.process_time()
             sampler.phase(f"step{i}.fwd_bwd")
             loss = engine(x, y)
@@ -222,9 +269,13 @@ def worker(args) -> dict:
             engine.step()
             times.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)  # every thread of the process (I/O threads too)
+            io.append(meter.delta(before, meter.snapshot()))
             losses.append(float(loss.detach()))
+            busy = io[-1]["busy_fraction"]
             print(f"[{framework}] step {i}: loss {losses[-1]:.4f} {times[-1]:.1f} s "
-                  f"rss {rss_bytes() / GIB:.2f} GiB", file=sys.stderr, flush=True)
+                  f"rss {rss_bytes() / GIB:.2f} GiB read {io[-1]['read_bytes'] / 1e9:.2f} GB "
+                  f"written {io[-1]['write_bytes'] / 1e9:.2f} GB disk busy "
+                  f"{'n/a' if busy is None else f'{busy:.0%}'}", file=sys.stderr, flush=True)
         sampler.phase("after")
         out["swap_bytes"] = swap_bytes(nvme)
         out["swap_layout"] = swap_layout(nvme)
@@ -232,7 +283,7 @@ def worker(args) -> dict:
             from meshspeed.offload import close
 
             close(engine)
-    out.update(losses=losses, step_s=times, step_cpu_s=cpu, fwd_bwd_s=fwd_bwd, hwm=hwm_bytes(), sampled_peak=sampler.peak,
+    out.update(losses=losses, step_s=times, step_io=io, step_cpu_s=cpu, fwd_bwd_s=fwd_bwd, hwm=hwm_bytes(), sampled_peak=sampler.peak,
                phase_peaks=sampler.peaks)
     return out
 
@@ -306,6 +357,8 @@ def run_framework(framework: str, python: str, args, root: str, weights_dir: str
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.check_weights:
         cmd.append("--check-weights")
+    if args.tutorial_config:
+        cmd.append("--tutorial-config")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     if framework == "deepspeed":
@@ -354,27 +407,81 @@ def summarise(r: dict) -> dict:
     r["median_step_s"], r["median_cpu_s"], r["median_fwd_bwd_s"] = (later(k) for k in ("step_s", "step_cpu_s",
                                                                                           "fwd_bwd_s"))
     r["first_step_s"] = steps[0]
+    io = r["step_io"][1:] if len(r["step_io"]) > 1 else r["step_io"]
+    for key in ("read_bytes", "write_bytes", "disk_read_bytes", "disk_write_bytes", "busy_fraction"):
+        values = [x.get(key) for x in io]
+        r[f"median_{key}"] = statistics.median(values) if values and None not in values else None
     return r
+
+
+def _gb(n) -> str:
+    return f"{n / 1e9:.2f} GB" if isinstance(n, (int, float)) else "n/a"
+
+
+def _pct(x) -> str:
+    return f"{x:.0%}" if isinstance(x, (int, float)) else "n/a"
+
+
+def config_line(args) -> str:
+    if args.tutorial_config:
+        tuned = "the ZeRO-Infinity tutorial's config: " + ", ".join(
+            f"{w.split('.')[-1]}.{k}" for w, keys in TUNED.items() for k in keys) + " unset (each framework's defaults)"
+    else:
+        tuned = (f"buffer_count {args.buffer_count}, offload_param buffer_count {args.param_buffer_count} / "
+                 f"buffer_size {args.param_buffer_size:.0e}, sub_group_size {args.sub_group_size:.0e}, "
+                 f"stage3_max_live_parameters {args.max_live:.0e}")
+    return (f"bf16, ZeRO stage 3, offload_param + offload_optimizer on nvme ({tuned}; persistence threshold "
+            f"{args.persistence_threshold})")
+
+
+def ds_estimate(r: dict, args, target: float = 2e9) -> str:
+    """Note [DeepSpeed at 2B, estimated]: DeepSpeed's peak at `target` parameters from this run's."""
+    z = config(args, "")["zero_optimization"]
+    o, p = z["offload_optimizer"], z["offload_param"]
+    sgs, obc = z.get("sub_group_size", 1_000_000_000), o.get("buffer_count", 4)
+    pbc, pbs = p.get("buffer_count", 5), p.get("buffer_size", 100_000_000)
+
+    def fixed(n):  # the swappers' pinned buffers: bf16 parameter buffers, fp32 optimizer buffers
+        return pbc * pbs * 2 + obc * min(sgs, n) * 4
+
+    per_param = (r["hwm"] - r["rss_start"] - fixed(r["params"])) / r["params"]
+    peak = r["rss_start"] + fixed(target) + per_param * target
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    verdict = "does not fit" if peak > 0.9 * total else "may fit"
+    return (f"DeepSpeed at {target / 1e9:.1f}B parameters, estimated from this run (not run): "
+            f"{fixed(target) / GIB:.2f} GiB of swap buffers + {per_param:.1f} B/param x {target / 1e9:.1f}B "
+            f"+ {r['rss_start'] / GIB:.2f} GiB start = {peak / GIB:.1f} GiB peak RSS, against this machine's "
+            f"{total / GIB:.1f} GiB: {verdict}")
 
 
 def render_markdown(results: dict[str, dict], args, command: str) -> str:
     ok = {k: r for k, r in results.items() if "error" not in r}
     any_ok = next(iter(ok.values()), {})
     model = any_ok.get("model", {})
+    device = any_ok.get("disk_device")
+    cols = ["step time (median of steps 2..N)", "of which fwd+bwd", "CPU time / step", "first step",
+            "read / step", "written / step", "disk busy", "peak RSS (VmHWM)", "RSS before build",
+            "swap dir after init", "swap dir after last step", "losses", "other load"]
     lines = [
+        ("The same GPT, weights, batch and DeepSpeed-format config for both frameworks. DeepSpeed runs in its "
+         "own venv with `DS_ACCELERATOR=cpu`. Its async I/O op needs libaio: `apt-get install -y libaio-dev`, "
+         "then a one-time JIT build of about 5 minutes. Without libaio, DeepSpeed's row reports the error. "
+         "Details are in benchmarks/infinity_frameworks.md."),
+        "",
         (f"Model: reference GPT, {any_ok.get('params', 0) / 1e6:.1f}M parameters (d_model {model.get('d_model')}, "
-        f"{model.get('n_layer')} layers, vocab {args.vocab}), seq {args.seq}, micro-batch {args.micro}, "
-        f"{args.steps} steps on one fixed batch, {args.threads} threads; bf16, ZeRO stage 3, "
-        f"offload_param + offload_optimizer on nvme (buffer_count {args.buffer_count}, offload_param "
-        f"buffer_count {args.param_buffer_count} / buffer_size {args.param_buffer_size:.0e}, sub_group_size "
-        f"{args.sub_group_size:.0e}, persistence threshold {args.persistence_threshold})."),
+         f"{model.get('n_layer')} layers, vocab {args.vocab}), seq {args.seq}, micro-batch {args.micro}, "
+         f"{args.steps} steps on one fixed batch, {args.threads} threads; {config_line(args)}."),
+        "",
+        (f"Bytes and disk time per step, measured alike for both (Note [bytes and busy time, measured alike]): "
+         f"read / written are the worker's /proc/<pid>/io read_bytes / write_bytes (every thread; page-cache "
+         f"hits are not reads, buffered writes count when dirtied); disk busy is the io_ticks of the device "
+         f"under the swap directory (`{device}`, /proc/diskstats) over the step's wall time, whoever kept it "
+         f"busy. Medians of steps 2..N."),
         "",
         f"`{command}`",
         "",
-        ("| framework | step time (median of steps 2..N) | of which fwd+bwd | CPU time / step | first step "
-        "| peak RSS (VmHWM) | RSS before build | swap dir after init | swap dir after last step | losses "
-        "| other load |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| framework | " + " | ".join(cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
     ]
     for name in FRAMEWORKS:
         r = results.get(name)
@@ -382,22 +489,27 @@ def render_markdown(results: dict[str, dict], args, command: str) -> str:
             continue
         label = f"{name} {r.get('version', '')}".strip()
         if "error" in r:
-            lines.append(f"| {label} | did not run: `{r['error']}` | | | | | | | | | |")
+            lines.append(f"| {label} | did not run: `{r['error']}` |" + " |" * (len(cols) - 1))
             continue
         lines.append(f"| {label} | {r['median_step_s']:.1f} s | {r['median_fwd_bwd_s']:.1f} s "
-                     f"| {r['median_cpu_s']:.1f} s | {r['first_step_s']:.1f} s | {_gib(r['hwm'])} "
+                     f"| {r['median_cpu_s']:.1f} s | {r['first_step_s']:.1f} s | {_gb(r['median_read_bytes'])} "
+                     f"| {_gb(r['median_write_bytes'])} | {_pct(r['median_busy_fraction'])} | {_gib(r['hwm'])} "
                      f"| {_gib(r['rss_start'])} | {_gib(r['swap_bytes_initialized'])} | {_gib(r['swap_bytes'])} "
                      f"| {', '.join(f'{v:.4f}' for v in r['losses'])} | {r['other_load']:.0%} |")
     if len(ok) == 2:
         m, d = ok["meshspeed"], ok["deepspeed"]
-        lines.append(f"| meshspeed / DeepSpeed | {_ratio(m['median_step_s'], d['median_step_s'])} "
-                     f"| {_ratio(m['median_fwd_bwd_s'], d['median_fwd_bwd_s'])} "
-                     f"| {_ratio(m['median_cpu_s'], d['median_cpu_s'])} "
-                     f"| {_ratio(m['first_step_s'], d['first_step_s'])} | {_ratio(m['hwm'], d['hwm'])} "
-                     f"| {_ratio(m['rss_start'], d['rss_start'])} "
-                     f"| {_ratio(m['swap_bytes_initialized'], d['swap_bytes_initialized'])} "
-                     f"| {_ratio(m['swap_bytes'], d['swap_bytes'])} | | |")
+        keys = ("median_step_s", "median_fwd_bwd_s", "median_cpu_s", "first_step_s", "median_read_bytes",
+                "median_write_bytes", "median_busy_fraction", "hwm", "rss_start", "swap_bytes_initialized",
+                "swap_bytes")
+        lines.append("| meshspeed / DeepSpeed | " + " | ".join(_ratio(m[k], d[k]) for k in keys) + " | | |")
     lines.append("")
+    for name, r in ok.items():
+        if r.get("median_disk_read_bytes") is not None:
+            lines.append(f"- {name}: the device `{device}` moved {_gb(r['median_disk_read_bytes'])} read, "
+                         f"{_gb(r['median_disk_write_bytes'])} written per step (median; /proc/diskstats "
+                         "sectors, every process and the kernel's writeback included)")
+    if "deepspeed" in ok:
+        lines.append(f"- {ds_estimate(ok['deepspeed'], args)} (Note [DeepSpeed at 2B, estimated])")
     digests = {k: r["weights_sha1"] for k, r in ok.items() if "weights_sha1" in r}
     if digests:
         if getattr(args, "plain_weights_sha1", None):
@@ -430,7 +542,13 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per framework")
     ap.add_argument("--deepspeed-python", default=None, metavar="PYTHON",
                     help="interpreter with DeepSpeed (default: the one ../shared/tools/anchor-venv.sh prints)")
+    ap.add_argument("--tutorial-config", action="store_true",
+                    help="leave sub_group_size, stage3_max_live_parameters and both offloads' buffer_count / "
+                         "buffer_size unset in both frameworks' config (Note [the tutorial config])")
     ap.add_argument("--markdown", action="store_true", help="print the markdown table (else JSON)")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="replace this run's section of docs/benchmarks.md (refused on uncommitted code) and "
+                         "save its results under benchmarks/results/")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--keep-logs", action="store_true", help="keep the workers' logs (their paths in the JSON)")
     # the worker's side
@@ -447,8 +565,10 @@ def main(argv=None) -> None:
     if args.worker:
         worker_main(args)
         return
+    import docs_stamp  # lazy: benchmarks/ joins sys.path at the top; the worker needs no git
     from zero import find_deepspeed_python
 
+    commit = docs_stamp.require_committed() if args.write_docs else docs_stamp.begin()
     wanted = [f for f in args.frameworks.split(",") if f]
     results: dict[str, dict] = {}
     root = tempfile.mkdtemp(prefix="infinity-frameworks-", dir=args.nvme_path)
@@ -488,10 +608,35 @@ def main(argv=None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"command": command, "args": vars(args), "results": results},
                                               indent=1, default=str))
+    text = render_markdown(results, args, command)
     if args.markdown:
-        print(render_markdown(results, args, command))
+        print(text)
     else:
         print(json.dumps(results, default=str))
+    if args.write_docs:
+        write_docs(text, results, args, command, commit)
+
+
+def write_docs(text: str, results: dict, args, command: str, commit: str) -> None:
+    """This run's section of docs/benchmarks.md (the tutorial config's is a section of its own)
+    and its results in benchmarks/results/."""
+    from zero_report import replace_section  # lazy: benchmarks/ joins sys.path at the top
+
+    key = "infinity_frameworks.py" + (" tutorial-config" if args.tutorial_config else "")
+    title = ("## ZeRO-Infinity side by side with DeepSpeed 0.19.8 (`benchmarks/infinity_frameworks.py`"
+             + (", the tutorial's config)" if args.tutorial_config else ")"))
+    doc = REPO / "docs" / "benchmarks.md"
+    main_end, start = "<!-- infinity_frameworks.py:end -->\n", f"<!-- {key}:start -->"
+    old = doc.read_text()
+    if start not in old and main_end in old:  # a new section goes right after the main one
+        doc.write_text(old.replace(main_end, f"{main_end}\n{start}\n<!-- {key}:end -->\n", 1))
+    replace_section(f"{title}\n\n{text}", doc, key, measured=commit)
+    name = "infinity-frameworks" + ("-tutorial" if args.tutorial_config else "")
+    slim = {k: {f: v for f, v in r.items() if f not in ("log_tail", "traceback_tail")} for k, r in results.items()}
+    (REPO / "benchmarks" / "results" / f"{name}.json").write_text(
+        json.dumps({"command": command, "commit": commit, "args": vars(args), "results": slim}, indent=1,
+                   default=str) + "\n")
+    print(f"wrote docs/benchmarks.md's {key} section and benchmarks/results/{name}.json", file=sys.stderr)
 
 
 if __name__ == "__main__":

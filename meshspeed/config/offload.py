@@ -14,15 +14,31 @@ from meshspeed.config.base import CaseInsensitive, NonNegInt, PositiveInt, Stric
 Device = CaseInsensitive("none", "cpu", "nvme")
 
 
+def path_for_rank(nvme_path: str | list[str], local_rank: int) -> str:
+    """The directory local rank `local_rank` swaps under: the path, or `path[r % len]` of a
+    list (Note [one disk per rank] in meshspeed/offload/swapdir.py)."""
+    if isinstance(nvme_path, str):
+        return nvme_path
+    if not nvme_path:
+        raise ValueError("nvme_path: an empty list names no directory; give one path, or one per disk")
+    return str(nvme_path[local_rank % len(nvme_path)])
+
+
 class _OffloadTarget(StrictModel):
     device: Device = "none"
-    nvme_path: str | None = None  # directory on the NVMe device; required for "nvme"
+    # directory on the NVMe device; required for "nvme". meshspeed also takes a list, one
+    # directory per disk: local rank r swaps under path[r % len] (meshspeed/offload/swapdir.py)
+    nvme_path: str | list[str] | None = None
     pin_memory: bool = False  # page-locked host buffers for async copies
 
     @model_validator(mode="after")
     def _nvme_needs_path(self):
+        if isinstance(self.nvme_path, list) and not self.nvme_path:
+            raise ValueError("nvme_path: an empty list names no directory; give one path, or one per disk")
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError('nvme_path is required when device is "nvme"')
+        if isinstance(self.nvme_path, list) and not all(self.nvme_path):
+            raise ValueError(f"nvme_path: every directory of the list must be named (got {self.nvme_path!r})")
         return self
 
 

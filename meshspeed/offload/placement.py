@@ -45,7 +45,7 @@ from meshspeed.offload.grad_files import grad_placeholder
 from meshspeed.offload.hostmem import host_empty
 from meshspeed.offload.masters import SwappedMaster
 from meshspeed.offload.optimizer import BackgroundStep
-from meshspeed.offload.swapdir import SwapDir
+from meshspeed.offload.swapdir import SwapDir, rank_path
 from meshspeed.parallel.zero.flat import publish_all
 from meshspeed.parallel.zero.placement import DevicePlacement
 from meshspeed.process.accelerator import get_accelerator
@@ -304,6 +304,7 @@ class OffloadPlacement(DevicePlacement):
 
     def swap_dir(self, nvme_path: str):
         """This rank's swap directory under `nvme_path` (one per path, shared by owners)."""
+        nvme_path = rank_path(nvme_path)  # a list: this rank's disk (Note [one disk per rank])
         if nvme_path not in self.swap_dirs:
             rank = comm.get_rank() if comm.is_initialized() else 0
             self.swap_dirs[nvme_path] = SwapDir(nvme_path, rank)

@@ -24,7 +24,8 @@ import weakref
 import torch
 
 from meshspeed.config.loader import read_config
-from meshspeed.config.offload import OffloadParamConfig
+from meshspeed.config.offload import OffloadParamConfig, path_for_rank
+from meshspeed.process.distributed import get_local_rank
 
 
 def offload_param_of(config) -> OffloadParamConfig | None:
@@ -44,10 +45,11 @@ def nvme_path_from(offload: OffloadParamConfig | None) -> str:
         raise ValueError('zero.Init(remote_device="nvme") needs config_dict_or_path: the DeepSpeed config '
                          "whose zero_optimization.offload_param.nvme_path says where to write (a directory "
                          "on a fast local disk)")
-    if not os.path.isdir(offload.nvme_path):
+    path = path_for_rank(offload.nvme_path, get_local_rank())  # a list: this rank's disk
+    if not os.path.isdir(path):
         raise ValueError(f'zero.Init(remote_device="nvme"): zero_optimization.offload_param.nvme_path '
-                         f"{offload.nvme_path!r} is not a directory; create it or point nvme_path elsewhere")
-    return str(offload.nvme_path)
+                         f"{path!r} is not a directory; create it or point nvme_path elsewhere")
+    return path
 
 
 class ChunkFile:
