@@ -66,7 +66,7 @@ framework's alone. Both frameworks get the same device and the same arithmetic.
 
 Note [the tutorial config]
 `--tutorial-config` leaves out of both frameworks' config what the ZeRO-Infinity
-tutorial does not write (TUNED: sub_group_size, stage3_max_live_parameters and both
+tutorial does not write (TUNED: sub_group_size, stage3_max_live_parameters, stage3_prefetch_bucket_size and both
 offloads' buffer_count, offload_param.buffer_size), so each library runs on its own
 defaults: DeepSpeed's (sub_group_size 1e9, optimizer buffer_count 4, parameter buffers 5 x
 1e8) and meshspeed's (chosen from the model and MemAvailable where it does, issue 33).
@@ -126,13 +126,15 @@ GIB = 2**30
 
 
 # what `--tutorial-config` leaves unset, in both frameworks' config (Note [the tutorial config])
-TUNED = {"zero_optimization": ("sub_group_size", "stage3_max_live_parameters"),
+TUNED = {"zero_optimization": ("sub_group_size", "stage3_max_live_parameters", "stage3_prefetch_bucket_size"),
          "zero_optimization.offload_optimizer": ("buffer_count",),
          "zero_optimization.offload_param": ("buffer_count", "buffer_size")}
 
 
 def config(args, nvme: str) -> dict:
-    cfg = ds_config(args, nvme)
+    # the tuned config, with TUNED taken out below (infinity.py's own --tutorial-config
+    # writes a shorter dict; both frameworks here must differ only in the library)
+    cfg = ds_config(argparse.Namespace(**{**vars(args), "tutorial_config": False}), nvme)
     cfg["gradient_clipping"] = 0.0
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
     if args.tutorial_config:
@@ -542,9 +544,7 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per framework")
     ap.add_argument("--deepspeed-python", default=None, metavar="PYTHON",
                     help="interpreter with DeepSpeed (default: the one ../shared/tools/anchor-venv.sh prints)")
-    ap.add_argument("--tutorial-config", action="store_true",
-                    help="leave sub_group_size, stage3_max_live_parameters and both offloads' buffer_count / "
-                         "buffer_size unset in both frameworks' config (Note [the tutorial config])")
+    # --tutorial-config comes with infinity.py's run arguments (Note [the tutorial config])
     ap.add_argument("--markdown", action="store_true", help="print the markdown table (else JSON)")
     ap.add_argument("--write-docs", action="store_true",
                     help="replace this run's section of docs/benchmarks.md (refused on uncommitted code) and "
