@@ -70,7 +70,7 @@ tutorial does not write (TUNED: sub_group_size, stage3_max_live_parameters, stag
 offloads' buffer_count, offload_param.buffer_size), so each library runs on its own
 defaults: DeepSpeed's (sub_group_size 1e9, optimizer buffer_count 4, parameter buffers 5 x
 1e8) and meshspeed's (chosen from the model and MemAvailable where it does, issue 33).
-The prefetch bucket, the persistence threshold and gradient_clipping stay written out
+The persistence threshold and gradient_clipping stay written out
 (the same in both).
 
 Note [DeepSpeed at 2B, estimated]
