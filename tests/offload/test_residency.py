@@ -167,3 +167,13 @@ def test_residency_cuts_the_bytes_and_not_the_bits(tmp_path):
     assert len(kept["kept"]) == 2 and zero["write"] == kept["write"], kept["numel"]
     two = sum(kept["sizes"][i] for i in kept["kept"])
     assert two <= zero["read"] - kept["read"] <= 2 * two + max(kept["sizes"]), (zero, kept)
+
+
+def test_estimate_counts_the_resident_bytes_in_host_memory():
+    from meshspeed.planner.estimate import estimate_memory
+
+    kw = {"stage": 3, "dp": 1, "offload_optimizer": "nvme", "offload_param": "nvme"}
+    base = estimate_memory(2e9, **kw)
+    kept = estimate_memory(2e9, **kw, param_in_cpu=5 * 10**8, optimizer_in_cpu=10**8)
+    assert kept["tiers"]["host"] - base["tiers"]["host"] == 5 * 10**8 * 2 + 10**8 * OPTIMIZER_BYTES
+    assert "resident_state" not in base["detail"]["offload_buffers"]  # unchanged when unset
