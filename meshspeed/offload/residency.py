@@ -18,7 +18,8 @@ sub-groups (2 B per byte), and what is left to the keep cache. The user's limits
 `offload_param.max_in_cpu` (DeepSpeed's key) and `offload_optimizer.max_in_cpu`
 (meshspeed's), in elements; a value the user sets is kept as it is. An unset limit is
 filled from the budget: MemAvailable shared by the ranks on this host, less the training
-peak (the buffers `check_host_memory` counts), less a headroom of max(2 GiB, 25% of the
+peak (the buffers `check_host_memory` counts and, on a CPU-only machine, the gradient
+staging and gathered parameters the accelerator would hold), less a headroom of max(2 GiB, 25% of the
 share). The headroom covers what the peak leaves out (activations, the interpreter and
 torch, heap fragmentation; 0.25 GiB and more) and MemAvailable's own drift: it counts
 page cache as reclaimable, and the swap files' writes refill that cache during the step.
@@ -68,6 +69,7 @@ class ResidencyPlan:
     budget: int = 0  # what the plan was split from (the user's limits may exceed it)
     units: int = 0  # filled in when applied: units whose shards are resident
     shard_bytes: int = 0  # and their bytes
+    chosen: tuple[str, ...] = ()  # the limits taken from the budget (the user left them unset)
 
 
 def split_budget(budget: int, *, shard_elements: int, shard_bytes: int, optimizer_elements: int,
@@ -81,7 +83,9 @@ def split_budget(budget: int, *, shard_elements: int, shard_bytes: int, optimize
         min(optimizer_elements, max(0, left) // OPTIMIZER_BYTES)
     left -= min(opt, optimizer_elements) * OPTIMIZER_BYTES
     on_disk = max(0, shard_elements - param) * shard_bytes
-    return ResidencyPlan(param, opt, min(max(0, left), on_disk), budget=max(0, budget))
+    chosen = tuple(k for k, v in (("offload_param.max_in_cpu", param_limit),
+                                  ("offload_optimizer.max_in_cpu", optimizer_limit)) if v is None)
+    return ResidencyPlan(param, opt, min(max(0, left), on_disk), budget=max(0, budget), chosen=chosen)
 
 
 def user_limits(cfg) -> tuple[int | None, int | None]:
@@ -106,7 +110,7 @@ def apply_residency(strategy, cfg, peak_bytes: int, available: int | None) -> Re
     shard_bytes = max((d.itemsize for d in store.dtype), default=2) if store is not None else 2
     owned = sum(u.shard_numel for u in strategy.units) if masters is not None else 0
     param_limit, opt_limit = user_limits(cfg)
-    budget = residency_budget(peak_bytes, available)
+    budget = residency_budget(peak_bytes + _compute_side(strategy, cfg, placement), available)
     plan = split_budget(budget, shard_elements=shard_elements, shard_bytes=shard_bytes,
                         optimizer_elements=owned, param_limit=param_limit, optimizer_limit=opt_limit)
     placement.residency = plan  # read by setup._swap_store, which logs it (log_residency)
@@ -122,14 +126,32 @@ def apply_residency(strategy, cfg, peak_bytes: int, available: int | None) -> Re
     return plan
 
 
+def _compute_side(strategy, cfg, placement) -> int:
+    """On a CPU-only machine the accelerator's buffers are host memory too: ZeRO's gradient
+    staging (the largest unit and two others, fp32, whole and 1/dp) and the gathered
+    parameters (the largest unit and max_live + one prefetch bucket, 16-bit), as
+    meshspeed/planner/offload.py counts them; 0 where they are on a device."""
+    if getattr(getattr(placement, "device", None), "type", "cpu") != "cpu" or not strategy.units:
+        return 0
+    z = cfg.zero_optimization
+    whole = sorted((u.shard_numel * getattr(u, "world", 1) for u in strategy.units), reverse=True)
+    dp = max(getattr(strategy.units[0], "world", 1), 1)
+    largest, rest = whole[0], sum(whole[1:])
+    staging = (largest + sum(whole[1:3])) * 4 * (1 + 1 / dp)
+    live = min(rest, max(whole[1] if len(whole) > 1 else 0,
+                         z.stage3_max_live_parameters + z.stage3_prefetch_bucket_size))
+    return int(staging + (largest + live) * 2)
+
+
 def log_residency(plan: ResidencyPlan, swap_store) -> None:
     """The one line on rank 0 that says what stays in memory and what it saves."""
     groups, opt_bytes = (0, 0) if swap_store is None else swap_store.resident_summary()
     saved = 3 * plan.shard_bytes + 2 * opt_bytes + 2 * plan.keep_bytes
     if comm.is_initialized() and comm.get_rank() != 0:
         return
+    why = (f"{' and '.join(plan.chosen)} from {plan.budget / 2**30:.2f} GiB that MemAvailable leaves "
+           "above the training peak with headroom" if plan.chosen else "as max_in_cpu set them")
     log.info("ZeRO-Infinity: keeping %d units' shards (%.2f GiB) and %d sub-groups' optimizer state "
              "(%.2f GiB) in memory, up to %.2f GiB of shards from forward to backward; %.2f GB/step "
-             "of I/O saved (budget %.2f GiB; offload_param.max_in_cpu and offload_optimizer.max_in_cpu "
-             "set it by hand)", plan.units, plan.shard_bytes / 2**30, groups, opt_bytes / 2**30,
-             plan.keep_bytes / 2**30, saved / 1e9, plan.budget / 2**30)
+             "of I/O saved (%s)", plan.units, plan.shard_bytes / 2**30, groups, opt_bytes / 2**30,
+             plan.keep_bytes / 2**30, saved / 1e9, why)
