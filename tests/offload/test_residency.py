@@ -212,3 +212,26 @@ def test_checkpoints_move_between_resident_state_and_files(tmp_path):
     out = run_distributed(_both_ways, world_size=1, args=(resident, files, str(tmp_path)), timeout=300)[0]
     for tail, again in out:
         assert tail == again
+
+
+def _stage2(setups):
+    from meshspeed.offload import close
+
+    out = []
+    for s in setups:
+        engine = _engine(s)
+        losses = _train_batches(engine, s, make_batches(s))
+        out.append((losses, full_state_dict(engine), engine.optimizer.store.resident_summary()[0]))
+        close(engine)
+    return out
+
+
+def test_stage2_optimizer_residency_is_bit_identical(tmp_path):
+    """Below stage 3 there is no shard store: the budget goes to optimizer sub-groups only."""
+    kw = {"precision": "bf16", "steps": 3, "world": 1, "extra_config": exact_adamw()}
+    runs = [setup(2, {**offload("nvme", str(tmp_path), buffer_count=8, max_in_cpu=n), "sub_group_size": 3000},
+                  **kw) for n in (0, 9000)]
+    files, resident = run_distributed(_stage2, world_size=1, args=(runs,), timeout=300)[0]
+    assert files[2] == 0 and resident[2] >= 1, (files[2], resident[2])
+    assert files[0] == resident[0]  # losses
+    assert all(torch.equal(files[1][k], v) for k, v in resident[1].items())
