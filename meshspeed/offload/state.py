@@ -244,8 +244,6 @@ class SwapStore:
         self.index_in = {p: i for sg in sub_groups for i, p in enumerate(sg.params)}
         self.steps: dict[nn.Parameter, torch.Tensor] = {}
         self.written: set[int] = set()  # sub-groups whose files hold state
-        nbytes = max((sg.nbytes for sg in sub_groups), default=0)
-        self.pool = BufferPool(buffer_count, nbytes, pin)
         self.state = SwappedState(self)
         # per sub-group, the runs of its masters in their files (Note [masters on NVMe])
         self.runs = {sg.index: masters.runs([p for p in sg.params if masters.holds(p)],
@@ -253,6 +251,9 @@ class SwapStore:
                      for sg in sub_groups} if masters is not None else {}
         self.owner = None  # keeps the directory (a SwapDir) alive as long as the store
         self.resident = self._make_resident(resident_numel or 0, pin)
+        # with every sub-group resident only gradients pass through the pool: two buffers
+        count = buffer_count if len(self.resident) < len(sub_groups) else min(buffer_count, 2 * (self.grads is not None))
+        self.pool = BufferPool(count, max((sg.nbytes for sg in sub_groups), default=0), pin)
         self._check_space()
         if preallocate:  # fail now, not mid-step, if the files cannot be created
             with progress(len(sub_groups) * len(rule.state_keys), "NVMe swap files", unit="file") as bar:
