@@ -119,10 +119,10 @@ def ds_config(args, nvme: str) -> dict:
             "stage3_prefetch_bucket_size": args.prefetch,
             "stage3_max_live_parameters": args.max_live,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
-                                  "buffer_count": args.buffer_count},
+                                  "buffer_count": args.buffer_count, **_in_cpu(args.optimizer_in_cpu)},
             "offload_param": {"device": "nvme", "nvme_path": nvme,
                               "buffer_count": args.param_buffer_count,
-                              "buffer_size": args.param_buffer_size},
+                              "buffer_size": args.param_buffer_size, **_in_cpu(args.param_in_cpu)},
         },
     }
 
@@ -151,6 +151,11 @@ def chosen_settings(engine) -> dict:
             "offload_optimizer.buffer_count": z.offload_optimizer.buffer_count,
             "offload_param.buffer_count": z.offload_param.buffer_count,
             "offload_param.buffer_size": z.offload_param.buffer_size}
+
+
+def _in_cpu(elements: float | None) -> dict:
+    """max_in_cpu when given; unset: the residency budget from MemAvailable (offload/residency.py)."""
+    return {} if elements is None else {"max_in_cpu": int(elements)}
 
 
 def swap_bytes(root: str | list[str]) -> int:
@@ -340,6 +345,8 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--param-buffer-size", type=int, default=100_000_000)
     ap.add_argument("--prefetch", type=int, default=50_000_000)
     ap.add_argument("--max-live", type=int, default=1_000_000_000)
+    ap.add_argument("--param-in-cpu", type=float, default=None, help="offload_param.max_in_cpu (unset: from MemAvailable)")
+    ap.add_argument("--optimizer-in-cpu", type=float, default=None, help="offload_optimizer.max_in_cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count")
     ap.add_argument("--sample-ms", type=float, default=20)

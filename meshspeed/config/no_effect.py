@@ -31,8 +31,6 @@ NO_EFFECT: dict[str, str] = {
     "reduction lands, on every rank",
     "zero_optimization.stage3_max_reuse_distance": "stage 3 releases a unit after each use and "
     "prefetches by the recorded order; max_live_parameters bounds what stays gathered",
-    "zero_optimization.offload_param.max_in_cpu": "offload_param keeps every stage-3 shard in its "
-    "tier; there is no partial residency",
     "checkpoint.parallel_write": "each rank writes its own shard file already",
     # Note [contiguous_memory_optimization and number_checkpoints] in parallel/activation_setup.py
     "activation_checkpointing.contiguous_memory_optimization": "kept inputs are not copied into one "

@@ -51,6 +51,10 @@ class OffloadOptimizerConfig(_OffloadTarget):
     # meshspeed: apply the CPU step one iteration late so it overlaps the next
     # forward/backward (ZeRO-Offload's "delayed parameter update", Ren et al. 2021).
     delayed_update: bool = False
+    # meshspeed: elements of the first optimizer sub-groups whose fp32 masters and moments
+    # stay in host memory with device "nvme" (offload_param.max_in_cpu's counterpart);
+    # None: what MemAvailable leaves (Note [the residency budget] in offload/residency.py)
+    max_in_cpu: NonNegInt | None = None
 
 
 class OffloadParamConfig(_OffloadTarget):
@@ -58,7 +62,9 @@ class OffloadParamConfig(_OffloadTarget):
 
     buffer_count: NonNegInt = 5  # NVMe read buffers
     buffer_size: NonNegInt = 100_000_000  # elements per NVMe buffer
-    max_in_cpu: NonNegInt = 1_000_000_000  # elements kept in CPU memory when on NVMe
+    # elements of the first units' shards kept in CPU memory when on NVMe; unset (the 1e9
+    # default is DeepSpeed's): what MemAvailable leaves (offload/residency.py)
+    max_in_cpu: NonNegInt = 1_000_000_000
 
 
 class AioConfig(StrictModel):

@@ -74,6 +74,9 @@ class MasterFiles:
         self._where: dict[int, tuple[int, int, int]] = {}  # id(master) -> unit, param index, offset
         self._pending: list[tuple[IoRequest, torch.Tensor]] = []  # 16-bit writes in flight
         self.max_pending_bytes = max_pending_bytes
+        # id(master) -> its values in a resident sub-group's buffer, which replaces the file's
+        # range from then on (Note [the residency budget] in meshspeed/offload/residency.py)
+        self._resident: dict[int, torch.Tensor] = {}
 
     def path(self, u: int) -> str:
         return os.path.join(self.dir, f"unit{u}.master")
@@ -93,6 +96,11 @@ class MasterFiles:
 
     def holds(self, master: torch.Tensor) -> bool:
         return id(master) in self._where
+
+    def keep_in_memory(self, masters: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        """From now on `views` (read from the files already) are these masters' values."""
+        for m, v in zip(masters, views):
+            self._resident[id(m)] = v.view(-1)
 
     # -- runs of one sub-group ------------------------------------------------------------------
     def runs(self, masters: list[torch.Tensor], offsets: list[int]) -> list[tuple[int, int, int, int]]:
@@ -142,6 +150,8 @@ class MasterFiles:
     # -- one master at a time (checkpoints, safe_*_fp32_param) -----------------------------------
     def read(self, master: torch.Tensor) -> torch.Tensor:
         u, _, off = self._where[id(master)]
+        if id(master) in self._resident:
+            return self._resident[id(master)].clone().view(master.shape)
         out = torch.empty(master.numel(), dtype=torch.float32)
         if out.numel():
             self.engine.read(out, self.path(u), off * _F32).wait()
@@ -150,15 +160,22 @@ class MasterFiles:
     def write(self, master: torch.Tensor, values: torch.Tensor) -> None:
         u, _, off = self._where[id(master)]
         flat = values.detach().to("cpu", torch.float32).contiguous().view(-1)
-        if flat.numel():
+        if id(master) in self._resident:
+            self._resident[id(master)].copy_(flat)
+        elif flat.numel():
             self.engine.write(flat, self.path(u), off * _F32).wait()
+        if flat.numel():
             self.publish(master, flat)
             self.drain()
 
     def write_unit(self, u: int, values: torch.Tensor) -> None:
         """The whole owned range of unit `u` changed from outside (a user's modifier)."""
-        self.engine.write(values.detach().to("cpu", torch.float32).contiguous().view(-1),
-                          self.path(u)).wait()
+        flat = values.detach().to("cpu", torch.float32).contiguous().view(-1)
+        self.engine.write(flat, self.path(u)).wait()
+        for key, (mu, _, off) in self._where.items():
+            if mu == u and key in self._resident:
+                kept = self._resident[key]
+                kept.copy_(flat[off : off + kept.numel()])
 
     # -- accounting -------------------------------------------------------------------------------
     def host_tensors(self) -> list[torch.Tensor]:

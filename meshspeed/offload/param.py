@@ -19,11 +19,27 @@ staging buffers and, from the second pass on, starts reading the unit that follo
 one last time, so the next unit's read overlaps this unit's gather and compute
 (Note [prefetch follows the last observed order] in meshspeed/parallel/zero/prefetch.py
 is the same idea one level up).
+
+Note [resident shards and shards kept from forward to backward]
+Two host-memory budgets cut the store's reads (meshspeed/offload/residency.py sets them
+at initialize, from `offload_param.max_in_cpu` or from MemAvailable):
+- `make_resident(max_elements)`: the first units, in build order, whose shards fit in
+  `max_elements` move back from their files into host memory for good. Such a shard is
+  never read or written through the engine again (its file is removed).
+- `keep(nbytes)`: a shard read from its file is copied into a least-recently-fetched cache
+  of at most `nbytes`. The units fetched last in forward are the first fetched in backward,
+  so those are served from the cache instead of read a second time; a write updates the
+  cached copy as well as the file (write-through), so a copy is never stale, and the units
+  backward fetched last (the first units) are still cached when the next forward starts.
+  A cached unit costs no read in backward and, when it survives the step, none in the
+  next forward either. Eviction frees the copy only (the file is always current).
+Both only change where bytes live: the values fetched are the same bits.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import torch
 
@@ -110,6 +126,9 @@ class NvmeShardStore:
         self._held: dict[int, torch.Tensor] = {}  # buffers a gather in flight reads from
         self._next_of: dict[int, int] = {}  # unit -> the unit fetched after it last time
         self._last: int | None = None
+        self._resident: dict[int, torch.Tensor] = {}  # Note [resident shards and ...]
+        self._kept: OrderedDict[int, torch.Tensor] = OrderedDict()  # least recent first
+        self.keep_bytes = 0
         for unit in units:
             self.add(unit)
 
@@ -136,9 +155,9 @@ class NvmeShardStore:
     @property
     def pool(self) -> BufferPool:
         if self._pool is None:
-            nbytes = round_up(max((self._nbytes(i) for i in range(len(self.units))
-                                   if not self._big(i)), default=0))
-            if any(self._big(i) for i in range(len(self.units))):
+            on_disk = [i for i in range(len(self.units)) if i not in self._resident]
+            nbytes = round_up(max((self._nbytes(i) for i in on_disk if not self._big(i)), default=0))
+            if any(self._big(i) for i in on_disk):
                 nbytes = max(nbytes, self._piece_nbytes())
             self._pool = BufferPool(self.buffer_count, nbytes, self.pin)
             self._pooled = {id(b) for b in self._pool.free}
@@ -147,16 +166,78 @@ class NvmeShardStore:
     def path(self, i: int) -> str:
         return os.path.join(self.dir, f"unit{i}.shard")
 
+    # -- Note [resident shards and shards kept from forward to backward] -------------------------
+    def make_resident(self, max_elements: int) -> list[int]:
+        """Move the first units' shards that fit in `max_elements` into host memory (each
+        read once, here, and its file removed); returns their indices."""
+        used = sum(self.numel[i] for i in self._resident)
+        for i in range(len(self.units)):
+            if i in self._resident or used + self.numel[i] > max_elements:
+                continue
+            shard = host_empty(self.numel[i], self.dtype[i], pin=self.pin)
+            self.engine.read(shard.view(torch.uint8), self.path(i)).wait()  # ~ the file's bytes
+            self._drop_pending(i)
+            self._kept.pop(i, None)
+            self._resident[i] = shard
+            used += self.numel[i]
+            os.remove(self.path(i))
+        return sorted(self._resident)
+
+    def keep(self, nbytes: int) -> None:
+        """Keep up to `nbytes` of shards read from files until they are fetched again."""
+        self.keep_bytes = max(0, int(nbytes))
+        self._evict(0)
+
+    def resident_elements(self) -> int:
+        return sum(self.numel[i] for i in self._resident)
+
+    def resident_nbytes(self) -> int:
+        return sum(t.nbytes for t in self._resident.values())
+
+    def _cached(self, i: int) -> torch.Tensor | None:
+        """The unit's shard where it is in memory (resident or kept), else None."""
+        if i in self._resident:
+            return self._resident[i]
+        got = self._kept.get(i)
+        if got is not None:
+            self._kept.move_to_end(i)
+        return got
+
+    def _remember(self, i: int, values: torch.Tensor) -> None:
+        """Copy a shard just read into the keep cache (evicting the least recent)."""
+        if self._nbytes(i) > self.keep_bytes:
+            return
+        self._evict(self._nbytes(i))
+        self._kept[i] = values.detach().to("cpu", copy=True).reshape(-1)
+
+    def _evict(self, room: int) -> None:
+        while self._kept and sum(t.nbytes for t in self._kept.values()) + room > self.keep_bytes:
+            self._kept.popitem(last=False)
+
+    def _in_memory_write(self, i: int, offset: int, values: torch.Tensor) -> bool:
+        """Write elements into the in-memory copy; True when that copy is the shard itself."""
+        target = self._resident.get(i, self._kept.get(i))
+        if target is not None:
+            target[offset : offset + values.numel()].copy_(values.reshape(-1))
+        return i in self._resident
+
     # -- the store protocol ---------------------------------------------------------------------
     def fetch(self, unit, into: torch.Tensor | None = None) -> torch.Tensor:
         """The unit's shard on its device; valid until `done(unit)`. A shard larger than a
         buffer is read into `into` (Note [shards larger than a staging buffer])."""
         i = self.index[id(unit)]
+        cached = self._cached(i)
+        if cached is not None:
+            self._follow(i)
+            if into is not None and self._big(i):
+                return into.copy_(cached)
+            return cached.to(unit.device, non_blocking=True)
         if self._big(i):
             if into is None or into.numel() != self.numel[i]:
                 raise ValueError(f"shard {i} of {self.numel[i]} elements is read in pieces: "
                                  "fetch needs `into`, the unit's range of its gathered buffer")
             self._read_pieces(i, into)
+            self._remember(i, into)
             self._follow(i)
             return into
         if i not in self._pending:
@@ -164,6 +245,7 @@ class NvmeShardStore:
         request, buf = self._pending.pop(i)
         request.wait()
         self._held[i] = buf
+        self._remember(i, self._typed(buf, i))
         self._follow(i)
         return self._typed(buf, i).to(unit.device, non_blocking=True)
 
@@ -174,7 +256,7 @@ class NvmeShardStore:
         self._last = i
         nxt = self._next_of.get(i)
         if (nxt is not None and not self._big(nxt) and nxt not in self._pending
-                and nxt not in self._held):
+                and nxt not in self._held and nxt not in self._resident and nxt not in self._kept):
             self._start_read(nxt, block=False)  # overlaps this unit's gather and compute
 
     def done(self, unit) -> None:
@@ -186,6 +268,8 @@ class NvmeShardStore:
     def write(self, unit, values: torch.Tensor) -> None:
         i = self.index[id(unit)]
         self._drop_pending(i)  # a read started before this write would be stale
+        if self._in_memory_write(i, 0, values.detach().to(self.dtype[i])):
+            return
         if self._big(i):
             buf = self._take(block=True)
             self._write_pieces(i, values, buf)
@@ -199,6 +283,8 @@ class NvmeShardStore:
         i = self.index[id(unit)]
         self._drop_pending(i)
         src = values.detach().to(self.dtype[i], copy=True).contiguous().view(-1)
+        if self._in_memory_write(i, offset, src):
+            return None
         es = src.element_size()
         return self.engine.write(src, self.path(i), offset * es), src
 
@@ -276,7 +362,8 @@ class NvmeShardStore:
             self._give_back(pending[1])
 
     def host_tensors(self, units) -> list[torch.Tensor]:
-        return self.pool.tensors() if self._pool is not None else []
+        pool = self.pool.tensors() if self._pool is not None else []
+        return pool + list(self._resident.values()) + list(self._kept.values())
 
     def nvme_bytes(self) -> int:
         return sum(os.path.getsize(self.path(i)) for i in range(len(self.units))

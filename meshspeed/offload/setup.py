@@ -25,6 +25,7 @@ from meshspeed.offload.masters import MasterFiles
 from meshspeed.offload.optimizer import OffloadOptimizer
 from meshspeed.offload.param import HostShardStore, NvmeShardStore
 from meshspeed.offload.placement import OffloadPlacement
+from meshspeed.offload.residency import apply_residency, log_residency
 from meshspeed.offload.state import HostStore, SwapStore
 from meshspeed.offload.swapdir import check_nvme_path
 from meshspeed.planner.offload import WRITES_IN_FLIGHT
@@ -211,6 +212,7 @@ def check_host_memory(strategy, cfg) -> None:
                         f"offloaded state{' buffers' if tier == 'nvme' else ''}, "
                         f"{free / 2**30:.1f} GiB is available; {fix}")
     _agree(problems)
+    apply_residency(strategy, cfg, need, free)  # Note [the residency budget] in residency.py
 
 
 def _nvme_buffers(strategy, cfg) -> int:
@@ -269,6 +271,9 @@ def _swap_store(rule, sub_groups, cfg, placement):
                         overlap_events=a.overlap_events)
     store = SwapStore(rule, sub_groups, swapdir.sub("optimizer"), engine,
                       buffer_count=o.buffer_count, pin=placement.pin, preallocate=not o.fast_init,
-                      masters=placement.master_files, grads=placement.grad_files)
+                      masters=placement.master_files, grads=placement.grad_files,
+                      resident_numel=getattr(placement, "residency", None) and placement.residency.optimizer_elements)
+    if getattr(placement, "residency", None) is not None:
+        log_residency(placement.residency, store)
     store.owner = swapdir  # the directory lives as long as the store
     return store

@@ -31,6 +31,7 @@ from meshspeed.parallel.slices import Deferred
 from meshspeed.process.progress import progress
 
 _F32 = 4  # bytes per state element: optimizer state is fp32
+_MASTER = "\0master"  # a resident sub-group's master buffer (never a state key)
 
 
 @dataclass
@@ -217,7 +218,8 @@ class SwapStore:
     tier = "nvme"
 
     def __init__(self, rule, sub_groups: list[SubGroup], directory: str, engine: SwapEngine, *,
-                 buffer_count: int, pin: bool, preallocate: bool, masters=None, grads=None):
+                 buffer_count: int, pin: bool, preallocate: bool, masters=None, grads=None,
+                 resident_numel: int | None = 0):
         if not rule.zero_init:
             raise ConfigError([("offload_optimizer.device \"nvme\" supports Adam and AdamW "
                                "(state created as zeros); use device \"cpu\" for SGD")])
@@ -242,24 +244,52 @@ class SwapStore:
         self.index_in = {p: i for sg in sub_groups for i, p in enumerate(sg.params)}
         self.steps: dict[nn.Parameter, torch.Tensor] = {}
         self.written: set[int] = set()  # sub-groups whose files hold state
-        nbytes = max((sg.nbytes for sg in sub_groups), default=0)
-        self.pool = BufferPool(buffer_count, nbytes, pin)
         self.state = SwappedState(self)
         # per sub-group, the runs of its masters in their files (Note [masters on NVMe])
         self.runs = {sg.index: masters.runs([p for p in sg.params if masters.holds(p)],
                                             [o for p, o in zip(sg.params, sg.offsets) if masters.holds(p)])
                      for sg in sub_groups} if masters is not None else {}
         self.owner = None  # keeps the directory (a SwapDir) alive as long as the store
+        self.resident = self._make_resident(resident_numel or 0, pin)
+        # with every sub-group resident only gradients pass through the pool: two buffers
+        count = buffer_count if len(self.resident) < len(sub_groups) else min(buffer_count, 2 * (self.grads is not None))
+        self.pool = BufferPool(count, max((sg.nbytes for sg in sub_groups), default=0), pin)
         self._check_space()
         if preallocate:  # fail now, not mid-step, if the files cannot be created
             with progress(len(sub_groups) * len(rule.state_keys), "NVMe swap files", unit="file") as bar:
                 for sg in sub_groups:
-                    for key in rule.state_keys:
+                    for key in rule.state_keys if sg.index not in self.resident else ():
                         _preallocate(self.path(sg, key), sg.nbytes)
                         bar.update()
 
     def path(self, sg: SubGroup, key: str) -> str:
         return os.path.join(self.dir, f"sg{sg.index}.{key}.swp")
+
+    # Note [the residency budget] in meshspeed/offload/residency.py: the first sub-groups
+    # that fit `resident_numel` keep their moments and fp32 masters in host buffers of
+    # their own; a step reads only their gradients, and writes nothing of them
+    def _make_resident(self, numel: int, pin: bool) -> dict[int, dict[str, torch.Tensor]]:
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        used = 0
+        for sg in self.sub_groups:
+            if used + sg.numel > numel:
+                break
+            used += sg.numel
+            bufs = {k: host_empty(sg.nbytes // _F32, pin=pin, align=ALIGN).zero_() for k in self.rule.state_keys}
+            if self.masters is not None:
+                master = host_empty(sg.nbytes // _F32, pin=pin, align=ALIGN)
+                for r in self.masters.read_runs(self.runs[sg.index], master):
+                    r.wait()  # once, here; from now on the buffer is the master
+                self.masters.keep_in_memory([p for p in sg.params if self.masters.holds(p)],
+                                            [v for p, v in zip(sg.params, _views(master, sg))
+                                             if self.masters.holds(p)])
+                bufs[_MASTER] = master
+            out[sg.index] = bufs
+        return out
+
+    def resident_summary(self) -> tuple[int, int]:
+        """(sub-groups resident, their bytes)."""
+        return len(self.resident), sum(b.nbytes for bufs in self.resident.values() for b in bufs.values())
 
     def _check_space(self) -> None:
         need = sum(sg.nbytes for sg in self.sub_groups) * len(self.rule.state_keys)
@@ -271,6 +301,8 @@ class SwapStore:
     # -- pipeline ---------------------------------------------------------------------------
     def prefetch(self, sg: SubGroup, block: bool = True) -> _Handle | None:
         k = len(self.rule.state_keys)
+        if sg.index in self.resident:
+            return self._prefetch_resident(sg, block)
         buffers = self.pool.take(k + (self.masters is not None) + (self.grads is not None), block)
         if buffers is None:
             return None
@@ -287,6 +319,18 @@ class SwapStore:
             else:
                 region.zero_()
         return _Handle(sg, named, reads, master, grad)
+
+    def _prefetch_resident(self, sg: SubGroup, block: bool) -> _Handle | None:
+        bufs = self.resident[sg.index]
+        grad, reads = None, []
+        if self.grads is not None:
+            got = self.pool.take(1, block)
+            if got is None:
+                return None
+            grad = got[0]
+            reads = self.grads.read_runs(self.runs[sg.index], grad)
+        named = {k: bufs[k] for k in self.rule.state_keys}
+        return _Handle(sg, named, reads, bufs.get(_MASTER), grad)
 
     def acquire(self, handle: _Handle, stepped: list[bool]) -> dict[str, list]:
         for r in handle.reads:
@@ -327,6 +371,9 @@ class SwapStore:
 
     def release(self, handle: _Handle, stepped=None, lists=None) -> None:
         sg = handle.sg
+        if sg.index in self.resident:
+            self._release_resident(handle, stepped)
+            return
         writes = [self.engine.write(buf[: sg.nbytes // _F32], self.path(sg, key))
                   for key, buf in handle.buffers.items()]
         buffers = list(handle.buffers.values())
@@ -341,6 +388,17 @@ class SwapStore:
             self.pool.give_back([handle.grad])  # read only: free for the next prefetch now
         self.written.add(sg.index)
         self.pool.give_back_after(writes, buffers)
+
+    def _release_resident(self, handle: _Handle, stepped) -> None:
+        sg = handle.sg
+        if handle.master is not None:
+            views = _views(handle.master, sg)
+            for p, v, take in zip(sg.params, views, stepped or [True] * len(sg.params)):
+                if take and self.masters.holds(p):
+                    self.masters.publish(p, v)
+        if handle.grad is not None:
+            self.pool.give_back([handle.grad])
+        self.written.add(sg.index)
 
     def drain(self) -> None:
         self.pool.drain()
@@ -357,6 +415,9 @@ class SwapStore:
     def read_key(self, p: nn.Parameter, key: str) -> torch.Tensor:
         """One state tensor of `p` (a copy, shaped like `p`)."""
         sg, i = self.group_of[p], self.index_in[p]
+        if sg.index in self.resident:
+            o = sg.offsets[i]
+            return self.resident[sg.index][key][o : o + p.numel()].clone().view(p.shape)
         t = torch.empty(p.numel(), dtype=torch.float32)
         if sg.index in self.written:
             self.engine.read(t, self.path(sg, key), sg.offsets[i] * _F32).wait()
@@ -366,11 +427,15 @@ class SwapStore:
 
     def write_param(self, p: nn.Parameter, entry: dict) -> None:
         sg, i = self.group_of[p], self.index_in[p]
-        if sg.index not in self.written:  # the rest of the sub-group starts as zeros
+        if sg.index in self.resident:
+            o = sg.offsets[i]
+            for key in self.rule.state_keys:
+                self.resident[sg.index][key][o : o + p.numel()].copy_(entry[key].detach().reshape(-1))
+        elif sg.index not in self.written:  # the rest of the sub-group starts as zeros
             for key in self.rule.state_keys:
                 _preallocate(self.path(sg, key), sg.nbytes, zero=True)
             self.written.add(sg.index)
-        for key in self.rule.state_keys:
+        for key in self.rule.state_keys if sg.index not in self.resident else ():
             t = entry[key].detach().to("cpu", torch.float32).contiguous().view(-1)
             self.engine.write(t, self.path(sg, key), sg.offsets[i] * _F32).wait()
         step = entry.get("step", 0)
@@ -378,7 +443,8 @@ class SwapStore:
 
     # -- accounting ---------------------------------------------------------------------------
     def resident_tensors(self) -> list[torch.Tensor]:
-        return list(self.steps.values()) + self.pool.tensors()
+        return list(self.steps.values()) + self.pool.tensors() + \
+            [b for bufs in self.resident.values() for b in bufs.values()]
 
     def nvme_bytes(self) -> int:
         total = 0

@@ -78,6 +78,8 @@ def estimate_memory(
     optimizer_buffer_count: int = 4,
     param_buffer_count: int = 5,
     param_buffer_size: int = 100_000_000,
+    param_in_cpu: int = 0,
+    optimizer_in_cpu: int = 0,
 ) -> dict[str, Any]:
     """Bytes per device for training num_params parameters with ZeRO `stage` over `dp` ranks.
 
@@ -181,7 +183,8 @@ def estimate_memory(
             comm_bytes=comm_dtype_bytes or FP32, sub_group_size=sub_group_size,
             optimizer_buffer_count=optimizer_buffer_count, param_buffer_count=param_buffer_count,
             param_buffer_size=param_buffer_size, max_live_parameters=max_live_parameters,
-            prefetch_bucket_size=prefetch_bucket_size)
+            prefetch_bucket_size=prefetch_bucket_size, param_in_cpu=param_in_cpu,
+            optimizer_in_cpu=optimizer_in_cpu)  # Note [the residency budget]
         if infinity:
             comm = {"reduce_buckets": buffers["gradient_staging"],
                     "gathered_params": buffers["gathered_params"]}
@@ -222,6 +225,8 @@ def estimate_memory(
 def _optimizer_only(buffers: dict[str, int]) -> dict[str, int]:
     """The host buffers of an NVMe optimizer whose parameters are not in files."""
     out = {k: buffers[k] for k in ("optimizer_swap_buffers", "unit_gradient", "writes_in_flight")}
+    if "resident_state" in buffers:  # the optimizer's part only (its shards are not in files)
+        out["resident_state"] = buffers["resident_state"]
     return out | {"total": sum(out.values())}
 
 

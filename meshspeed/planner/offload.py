@@ -28,6 +28,9 @@ config and from the largest unit and parameter, not from the model's size:
   writes_in_flight        2 x 256 MiB (Note [bounded writes in flight] in
                           meshspeed/offload/masters.py: published 16-bit ranges and
                           landed gradients)
+  resident_state          the shards and optimizer sub-groups kept in memory
+                          (offload_param / offload_optimizer max_in_cpu, elements:
+                          16-bit width, and 12 bytes for a master and two moments)
 
 plus the activations of one micro-batch. `tests/planner/test_offload.py` checks these
 terms against `memory_breakdown()` of an engine, and `benchmarks/infinity.py` compares the
@@ -105,7 +108,8 @@ def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes:
                       sub_group_size: int = 1_000_000_000, optimizer_buffer_count: int = 4,
                       param_buffer_count: int = 5, param_buffer_size: int = 100_000_000,
                       max_live_parameters: int = 1_000_000_000,
-                      prefetch_bucket_size: int = 50_000_000) -> dict[str, int]:
+                      prefetch_bucket_size: int = 50_000_000, param_in_cpu: int = 0,
+                      optimizer_in_cpu: int = 0) -> dict[str, int]:
     """Bytes per rank of each buffer of Note [what an everything-on-NVMe rank holds], for a
     ModelShape (or anything `ModelShape.from_any` takes) or a `UnitSizes`."""
     u = UnitSizes.of(shape)
@@ -124,6 +128,9 @@ def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes:
         "unit_gradient": math.ceil(largest_unit_shard * (param_bytes + FP32)),
         "writes_in_flight": WRITES_IN_FLIGHT,
     }
+    if param_in_cpu or optimizer_in_cpu:  # offload_param / offload_optimizer max_in_cpu, elements
+        out["resident_state"] = math.ceil(min(param_in_cpu, shard) * param_bytes
+                                          + min(optimizer_in_cpu, shard) * 3 * FP32)
     out["total"] = sum(out.values())
     return out
 

@@ -99,7 +99,19 @@ class ParitySetup:
                 cfg[key] = {**cfg[key], **value}
             else:
                 cfg[key] = value
-        return cfg
+        return _files_unless_asked(cfg)
+
+
+def _files_unless_asked(cfg: dict) -> dict:
+    """NVMe offload blocks without `max_in_cpu` get 0: a parity run tests the swap files,
+    not the residency MemAvailable would choose on the machine running it (Note [the
+    residency budget] in meshspeed/offload/residency.py); tests of residency set it."""
+    z = cfg.get("zero_optimization")
+    for key in ("offload_param", "offload_optimizer"):
+        block = z.get(key) if isinstance(z, dict) else None
+        if isinstance(block, dict) and block.get("device") == "nvme" and "max_in_cpu" not in block:
+            z[key] = {**block, "max_in_cpu": 0}
+    return cfg
 
 
 def build_model(setup: ParitySetup, seed: int = 0, stages: int = 1) -> nn.Module:

@@ -32,9 +32,10 @@ def _engine_figures(nvme_path: str) -> dict:
               "stage": 3, "sub_group_size": c["sub_group_size"],
               "stage3_param_persistence_threshold": 0,
               "stage3_max_live_parameters": c["max_live"], "stage3_prefetch_bucket_size": c["prefetch"],
-              "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": c["buffer_count"]},
+              "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": c["buffer_count"],
+                                    "max_in_cpu": 0},  # every state in its file (no residency)
               "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": c["param_buffer_count"],
-                                "buffer_size": c["param_buffer_size"]}}}
+                                "buffer_size": c["param_buffer_size"], "max_in_cpu": 0}}}
     engine, *_ = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
