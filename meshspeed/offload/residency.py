@@ -17,12 +17,19 @@ so the budget goes to shards first (3 B of I/O per byte of memory), then to opti
 sub-groups (2 B per byte), and what is left to the keep cache. The user's limits are
 `offload_param.max_in_cpu` (DeepSpeed's key) and `offload_optimizer.max_in_cpu`
 (meshspeed's), in elements; a value the user sets is kept as it is. An unset limit is
-filled from the budget: MemAvailable shared by the ranks on this host, less the training
-peak (the buffers `check_host_memory` counts and, on a CPU-only machine, the gradient
-staging and gathered parameters the accelerator would hold), less a headroom of max(2 GiB, 25% of the
-share). The headroom covers what the peak leaves out (activations, the interpreter and
-torch, heap fragmentation; 0.25 GiB and more) and MemAvailable's own drift: it counts
-page cache as reclaimable, and the swap files' writes refill that cache during the step.
+filled from the budget: the peak a rank aims at, min(8 GiB, half of MemAvailable shared by
+the ranks on this host) -- the same target the buffer defaults aim at (Note [defaults that
+fit] in meshspeed/planner/nvme_defaults.py) -- less the training peak (the buffers
+`check_host_memory` counts and, on a CPU-only machine, the gradient staging and gathered
+parameters the accelerator would hold), the interpreter and 1 GiB for what the count
+leaves out (activations, heap fragmentation; the 2B run peaked 0.9 GiB above its buffers
+and interpreter). The other half of MemAvailable is headroom: MemAvailable counts page
+cache as reclaimable, and the swap files' buffered writes refill that cache during the
+step. Issue 33 asks both for residency from MemAvailable and for the 2B model to train at
+<= 8 GiB per process with the tutorial's config; on a 24 GiB machine the two meet only
+under this cap. On a 2B model the buffers take most of the 8 GiB and little is left to
+hold; on a 0.3B model all of its state fits. A user who grants more memory sets the two
+`max_in_cpu` keys.
 DeepSpeed's default for `max_in_cpu`, 1e9, is not taken for a limit when the key is unset.
 
 Residency moves bytes only: a resident shard, master or moment holds the same bits its
@@ -37,25 +44,27 @@ from dataclasses import dataclass
 
 from meshspeed import comm
 from meshspeed.offload.hostmem import available_host_bytes, local_world_size
+from meshspeed.planner.fit import INTERPRETER
+from meshspeed.planner.nvme_defaults import PEAK_CAP, SHARE
 
 log = logging.getLogger("meshspeed")
 
-HEADROOM_MIN = 2 << 30
-HEADROOM_FRACTION = 0.25
+UNCOUNTED = 1 << 30  # activations and fragmentation, above the counted buffers (2B: 0.9 GiB)
 OPTIMIZER_BYTES = 12  # per resident optimizer element: fp32 master + exp_avg + exp_avg_sq
 
 
 def residency_budget(peak_bytes: int, available: int | None = None,
                      local_ranks: int | None = None) -> int:
     """Host bytes one rank may fill with resident state (Note [the residency budget]):
-    its share of `available` (MemAvailable when None) above `peak_bytes`, less headroom."""
+    the peak a rank aims at (from its share of `available`, MemAvailable when None) above
+    `peak_bytes`, the interpreter and what neither counts."""
     if available is None:
         available = available_host_bytes()
     if available is None:
         return 0  # MemAvailable unknown: keep nothing resident rather than guess
     share = available // (local_ranks or local_world_size())
-    headroom = max(HEADROOM_MIN, int(share * HEADROOM_FRACTION))
-    return max(0, share - int(peak_bytes) - headroom)
+    target = min(PEAK_CAP, int(SHARE * share))  # the peak the buffer defaults aim at
+    return max(0, int(target - INTERPRETER - UNCOUNTED - peak_bytes))
 
 
 @dataclass
@@ -150,7 +159,7 @@ def log_residency(plan: ResidencyPlan, swap_store) -> None:
     if comm.is_initialized() and comm.get_rank() != 0:
         return
     why = (f"{' and '.join(plan.chosen)} from {plan.budget / 2**30:.2f} GiB that MemAvailable leaves "
-           "above the training peak with headroom" if plan.chosen else "as max_in_cpu set them")
+           "above the training peak, within the 8 GiB a rank aims at" if plan.chosen else "as max_in_cpu set them")
     log.info("ZeRO-Infinity: keeping %d units' shards (%.2f GiB) and %d sub-groups' optimizer state "
              "(%.2f GiB) in memory, up to %.2f GiB of shards from forward to backward; %.2f GB/step "
              "of I/O saved (%s)", plan.units, plan.shard_bytes / 2**30, groups, opt_bytes / 2**30,

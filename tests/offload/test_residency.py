@@ -10,12 +10,13 @@ from meshspeed.offload.aio import SwapEngine, io_totals
 from meshspeed.offload.hostmem import round_up
 from meshspeed.offload.param import NvmeShardStore
 from meshspeed.offload.residency import (
-    HEADROOM_MIN,
     OPTIMIZER_BYTES,
+    UNCOUNTED,
     residency_budget,
     split_budget,
     user_limits,
 )
+from meshspeed.planner.fit import INTERPRETER
 from meshspeed.testing import run_distributed
 from meshspeed.testing.parity import full_state_dict, make_batches
 from tests.offload.workers import _engine, _train_batches, exact_adamw, offload, setup
@@ -23,8 +24,12 @@ from tests.offload.workers import _engine, _train_batches, exact_adamw, offload,
 
 def test_budget_is_the_share_above_the_peak_less_headroom():
     gib = 2**30
-    assert residency_budget(4 * gib, available=20 * gib, local_ranks=1) == 20 * gib - 4 * gib - 5 * gib
-    assert residency_budget(1 * gib, available=8 * gib, local_ranks=2) == 4 * gib - 1 * gib - HEADROOM_MIN
+    # the peak the buffer defaults aim at: min(8 GiB, half the rank's share), less the
+    # interpreter and what neither counts
+    assert residency_budget(4 * gib, available=20 * gib, local_ranks=1) == int(8 * gib - INTERPRETER - UNCOUNTED - 4 * gib)
+    assert residency_budget(1 * gib, available=64 * gib, local_ranks=4) == int(8 * gib - INTERPRETER - UNCOUNTED - gib)
+    assert residency_budget(1 * gib, available=16 * gib, local_ranks=2) == int(4 * gib - INTERPRETER - UNCOUNTED - gib)
+    assert residency_budget(1 * gib, available=8 * gib, local_ranks=2) == 0  # 2 GiB aimed at: no room
     assert residency_budget(9 * gib, available=8 * gib, local_ranks=1) == 0
 
 
