@@ -487,7 +487,9 @@ class SwapStore:
     # -- accounting ---------------------------------------------------------------------------
     def resident_tensors(self) -> list[torch.Tensor]:
         self._join()
-        return list(self.steps.values()) + self.pool.tensors() + [b for _, b in self._tail]
+        early = [b for h in self._early.values() for b in (*h.buffers.values(), h.master, h.grad)
+                 if b is not None]  # pool buffers taken by the read-ahead
+        return list(self.steps.values()) + self.pool.tensors() + early + [b for _, b in self._tail]
 
     def nvme_bytes(self) -> int:
         total = 0

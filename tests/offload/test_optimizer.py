@@ -161,3 +161,15 @@ def test_read_ahead_is_dropped_when_its_file_changes_between_steps(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(params, mine))
     for p, q in zip(params, mine):
         assert torch.equal(ref.state[p]["exp_avg"], opt.state[q]["exp_avg"])
+
+
+def test_memory_tensors_count_the_pool_while_it_reads_ahead(tmp_path):
+    """Buffers the read-ahead holds between steps are still the pool's memory."""
+    mine = _params()
+    opt = _offloaded(mine, "adamw", "nvme", tmp_path, buffers=6)
+    _train(mine, opt, steps=2)
+    opt.store._join()
+    assert opt.store._early  # some buffers are taken by the read-ahead now
+    pool = 6 * opt.store.pool.nbytes
+    held = {t.untyped_storage().data_ptr(): t.nbytes for t in opt.memory_tensors() if t.dim()}
+    assert sum(held.values()) == pool
