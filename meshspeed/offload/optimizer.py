@@ -128,6 +128,12 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
         if self.runner is not None:
             self.runner.wait()
 
+    def settle(self) -> None:
+        """Wait for the step, and for the I/O it leaves running (Note [the step's I/O
+        outside the step] in state.py): before counting a step's bytes."""
+        self.wait()
+        self._state_store.settle()
+
     def _run(self, work: list[_Work], options: list[dict]) -> None:
         store = self._state_store
         with torch.no_grad():  # grad mode is per thread: set it here, not only in step()

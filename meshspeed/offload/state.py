@@ -145,6 +145,9 @@ class HostStore:
     def finish_step(self, sub_groups: list[SubGroup]) -> None:
         pass
 
+    def settle(self) -> None:
+        pass
+
     def drain(self) -> None:
         pass
 
@@ -372,6 +375,11 @@ class SwapStore:
                 self._early[sg.index] = handle
         except BaseException as err:  # noqa: BLE001 - re-raised by the next _join
             self._ahead_error = err
+
+    def settle(self) -> None:
+        """The last step's write-back has completed and the next step's reads are submitted
+        (so `io_totals` has counted them: a step's bytes are then those between two settles)."""
+        self._join()
 
     def _join(self) -> None:
         if self._ahead is not None:
