@@ -15,8 +15,9 @@ disk). O_DIRECT needs the buffer address, file offset and length to be multiples
 logical block size (`hostmem.ALIGN`, 4096). A request that is not aligned is cut at the
 file's block boundaries:
   - the whole blocks in the middle go direct: straight from the caller's tensor when its
-    address has the same offset within a block as the file position, else through a
-    per-thread aligned bounce buffer of `block_size` bytes (one copy in memory);
+    address has the same offset within a block as the file position, else through an
+    aligned bounce buffer of `block_size` bytes (one copy in memory; each engine holds
+    `thread_count` of them from its start, 2 MiB with the defaults of 1 MiB x 2);
   - the partial blocks at either end (under 4096 bytes each) go through the page cache.
 A partial block is never written direct, so a block is only ever written one way at a
 time and Linux keeps the two paths coherent (a direct read or write first writes back
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -170,6 +172,11 @@ class SwapEngine:
         self.overlap_events = overlap_events
         self.direct = direct and bool(_O_DIRECT)
         self._slots = threading.BoundedSemaphore(queue_depth)
+        self._bounce: queue.SimpleQueue = queue.SimpleQueue()  # one per worker thread
+        if self.direct:
+            for _ in range(thread_count):
+                buf = host_empty(self.block_size, torch.uint8, align=ALIGN)
+                self._bounce.put((buf, byte_view(buf)))
         self._pool = ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="meshspeed-aio")
         self._last: IoRequest | None = None
         self._closed = False
@@ -208,7 +215,7 @@ class SwapEngine:
             _started()
             flat = t.view(-1).view(torch.uint8)
             futures = [self._pool.submit(_transfer, kind, path, flat[a:b], view[a:b], offset + a,
-                                         self.block_size, mode) for a, b, mode in parts]
+                                         self.block_size, mode, self._bounce) for a, b, mode in parts]
         except BaseException:
             _finished()
             self._slots.release()
@@ -279,25 +286,18 @@ def _open(path: str, kind: str, direct: bool) -> tuple[int, bool]:
     return os.open(path, flags), False
 
 
-_BOUNCE = threading.local()  # each worker thread's aligned bounce buffer
-
-
-def _bounce(block: int) -> tuple[torch.Tensor, memoryview]:
-    buf = getattr(_BOUNCE, "buf", None)
-    if buf is None or buf[0].numel() < block:
-        t = host_empty(block, torch.uint8, align=ALIGN)
-        buf = _BOUNCE.buf = (t, byte_view(t))
-    return buf
-
-
 def _transfer(kind: str, path: str, flat: torch.Tensor, view: memoryview, offset: int, block: int,
-              mode: str) -> tuple[int, int, str]:
+              mode: str, bounce: queue.SimpleQueue) -> tuple[int, int, str]:
     """Move one part; returns (bytes direct, bytes buffered, why buffered)."""
     fd, direct = _open(path, kind, mode in ("direct", "bounce"))
     total = len(view)
     try:
         if mode == "bounce" and direct:
-            _bounced(fd, kind, flat, offset, block)
+            buf = bounce.get()  # (as many as worker threads: never waits)
+            try:
+                _bounced(fd, kind, flat, offset, block, buf)
+            finally:
+                bounce.put(buf)
         else:
             _plain(fd, kind, view, offset, block)
     finally:
@@ -321,10 +321,11 @@ def _plain(fd: int, kind: str, view: memoryview, offset: int, block: int) -> Non
         done += n
 
 
-def _bounced(fd: int, kind: str, flat: torch.Tensor, offset: int, block: int) -> None:
+def _bounced(fd: int, kind: str, flat: torch.Tensor, offset: int, block: int,
+             bounce: tuple[torch.Tensor, memoryview]) -> None:
     """Whole blocks between memory at another block offset and the file, through an
     aligned buffer (torch's copy releases the GIL, a memoryview copy would not)."""
-    buf, bview = _bounce(block)
+    buf, bview = bounce
     done, total = 0, flat.numel()
     while done < total:
         n = min(block, total - done)

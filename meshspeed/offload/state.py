@@ -172,6 +172,7 @@ class BufferPool:
     def __init__(self, count: int, nbytes: int, pin: bool):
         self.nbytes = nbytes
         self.free = [host_empty(nbytes // _F32, pin=pin, align=ALIGN) for _ in range(count)]
+        self._all = list(self.free)  # free, being written, or taken (read into, read ahead)
         self.count = count
         self._busy: deque[tuple[list[IoRequest], list[torch.Tensor]]] = deque()
 
@@ -204,7 +205,8 @@ class BufferPool:
         self.free.extend(buffers)
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(self.free) + [b for _, bufs in self._busy for b in bufs]
+        """Every buffer of the pool, whoever holds it now."""
+        return list(self._all)
 
 
 @dataclass
@@ -494,10 +496,8 @@ class SwapStore:
 
     # -- accounting ---------------------------------------------------------------------------
     def resident_tensors(self) -> list[torch.Tensor]:
-        self._join()
-        early = [b for h in self._early.values() for b in (*h.buffers.values(), h.master, h.grad)
-                 if b is not None]  # pool buffers taken by the read-ahead
-        return list(self.steps.values()) + self.pool.tensors() + early + [b for _, b in self._tail]
+        self._join()  # (the pool's tensors include the buffers the read-ahead holds)
+        return list(self.steps.values()) + self.pool.tensors() + [b for _, b in self._tail]
 
     def nvme_bytes(self) -> int:
         total = 0

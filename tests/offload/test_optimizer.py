@@ -173,3 +173,4 @@ def test_memory_tensors_count_the_pool_while_it_reads_ahead(tmp_path):
     pool = 6 * opt.store.pool.nbytes
     held = {t.untyped_storage().data_ptr(): t.nbytes for t in opt.memory_tensors() if t.dim()}
     assert sum(held.values()) == pool
+    assert sum(t.nbytes for t in opt.store.pool.tensors()) == pool
