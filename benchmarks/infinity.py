@@ -13,7 +13,10 @@ under `meshspeed.zero.Init` in bf16, ZeRO stage 3 with `offload_optimizer` and
   initialize, each step's forward+backward and optimizer step);
 - `engine.memory_breakdown()` (categories and tiers) after the last step;
 - bytes of the swap files on disk (walked, not asked of the strategy);
-- loss and time per step.
+- loss and time per step;
+- of the last step, the fraction of the step, and of its forward+backward and optimizer
+  phases, during which a swap request was in flight (the disk had work), and the bytes
+  that went direct and through the page cache, with which files and why (`disk`).
 
 Bytes per parameter = peak RSS / parameters, with the RSS of the interpreter and torch
 before the build subtracted (`rss_start`). The issue-18 target is a peak that depends
@@ -191,6 +194,8 @@ def _batch(args, cfg, rank: int):
 
 
 def _step(engine, x, y, sampler, name: str) -> tuple[float, float, dict]:
+    """One step: its loss, seconds, and the swap engines' counters moved during it, whole
+    and per phase ("fwd_bwd." / "optimizer." keys, with each phase's seconds)."""
     from meshspeed import comm
     from meshspeed.offload.aio import io_totals
 
@@ -199,18 +204,43 @@ def _step(engine, x, y, sampler, name: str) -> tuple[float, float, dict]:
     sampler.phase(f"{name}.fwd_bwd")
     loss = engine(x, y)
     engine.backward(loss)
+    middle, t_mid = io_totals(), time.perf_counter()
     sampler.phase(f"{name}.optimizer")
     engine.step()
-    dt = time.perf_counter() - t
+    t_end = time.perf_counter()
+    dt = t_end - t
     after = io_totals()
     mean = loss.detach().float().clone()
     comm.all_reduce(mean)  # the global mean loss, the same on every rank
-    return float(mean) / comm.get_world_size(), dt, {k: after[k] - before[k] for k in after}
+    moved = {k: after[k] - before[k] for k in after}
+    moved.update({f"fwd_bwd.{k}": middle[k] - before[k] for k in after})
+    moved.update({f"optimizer.{k}": after[k] - middle[k] for k in after})
+    moved.update({"fwd_bwd.s": t_mid - t, "optimizer.s": t_end - t_mid})
+    return float(mean) / comm.get_world_size(), dt, moved
+
+
+def disk_report(ranks: list[dict]) -> dict:
+    """Of the last step, per rank: the disk-busy fraction of the step and of each phase
+    (a request of this process in flight), and the bytes that went direct and through the
+    page cache, with which files and why (Note [O_DIRECT where it fits] in aio.py)."""
+    out: dict = {"busy_fraction_per_rank": [], "fwd_bwd_busy_fraction_per_rank": [],
+                 "optimizer_busy_fraction_per_rank": [], "direct_gb": 0.0, "buffered_gb": 0.0}
+    for r in ranks:
+        io, step = r["io_bytes"][-1], r["step_s"][-1]
+        out["busy_fraction_per_rank"].append(round(io["busy_s"] / step, 2))
+        for phase in ("fwd_bwd", "optimizer"):
+            frac = io[f"{phase}.busy_s"] / max(io[f"{phase}.s"], 1e-9)
+            out[f"{phase}_busy_fraction_per_rank"].append(round(frac, 2))
+        out["direct_gb"] += (io.get("read_direct", 0) + io.get("write_direct", 0)) / 1e9
+        out["buffered_gb"] += (io.get("read_buffered", 0) + io.get("write_buffered", 0)) / 1e9
+    out["buffered_why"] = ranks[0].get("buffered_why", {})
+    return out
 
 
 def run(args) -> dict:
     from meshspeed import comm
     from meshspeed.offload import close
+    from meshspeed.offload.aio import buffered_bytes
 
     torch.set_num_threads(args.threads)
     nvme = [tempfile.mkdtemp(prefix="infinity-", dir=p) for p in args.nvme_path.split(",")]
@@ -227,7 +257,11 @@ def run(args) -> dict:
         x, y = _batch(args, cfg, rank)
         losses, times, io = [], [], []
         for i in range(args.steps):
+            why_before = buffered_bytes()
             loss, dt, moved = _step(engine, x, y, sampler, f"step{i}")
+            why = buffered_bytes()  # the last step's: which bytes went through the page cache
+            out["buffered_why"] = {k: n - why_before.get(k, 0) for k, n in why.items()
+                                   if n != why_before.get(k, 0)}
             losses.append(loss)
             times.append(dt)
             io.append(moved)
@@ -302,7 +336,7 @@ def matmul_peak_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
 def disk_bandwidth(path: str, args) -> tuple[float, float]:
     """(write, read) bytes/s of the swap engine on `path` with this run's aio settings:
     what `meshspeed aio-bench --path PATH --thread-count T` reports for its best request size."""
-    from meshspeed.offload.aio import SwapEngine
+    from meshspeed.offload.aio import SwapEngine, io_totals
     from meshspeed.offload.aio_bench import _engine
     from meshspeed.offload.hostmem import ALIGN, host_empty
 
@@ -310,10 +344,17 @@ def disk_bandwidth(path: str, args) -> tuple[float, float]:
     try:
         buf = host_empty((1 << 30) // 4, align=ALIGN).fill_(1.0)
         engine = SwapEngine(thread_count=args.aio_threads, queue_depth=8)
+        before = io_totals()
         w, r = max(_engine(engine, buf, work, 64) for _ in range(2))
+        after = io_totals()
         engine.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    buffered = sum(after[k] - before[k] for k in ("read_buffered", "write_buffered"))
+    if buffered:  # the bound must be the disk's, not the page cache's
+        print(f"warning: {buffered} bytes of the bandwidth measurement on {path} went through "
+              "the page cache (the file system refused O_DIRECT): the I/O bound is optimistic",
+              file=sys.stderr)
     return w * 1e9, r * 1e9
 
 
@@ -391,7 +432,7 @@ def main() -> None:
     gib = 2**30
     tokens = args.micro * args.seq * args.world
     # the disk and the cores are shared by every rank: the step's I/O bound is all ranks'
-    # bytes over one disk's bandwidth, its compute bound 6 * params * all ranks' tokens over
+    # bytes over one disk's O_DIRECT bandwidth (disk_bandwidth: aligned requests, direct), its compute bound 6 * params * all ranks' tokens over
     # the machine's bf16 matmul peak (measured with --threads threads: every core here)
     busy = [r["io_bytes"][-1]["busy_s"] / r["step_s"][-1] for r in ranks]  # disk had work
     reads = sum(r["io_bytes"][-1]["read"] for r in ranks)
@@ -410,6 +451,7 @@ def main() -> None:
         "io_gb_per_step_per_rank": [{k: round(r["io_bytes"][-1][k] / 1e9, 3) for k in ("read", "write")}
                                     for r in ranks],  # with --nvme-path A,B: rank r's on path r
         "disk_busy_fraction_per_rank": [round(b, 2) for b in busy],
+        "disk": disk_report(ranks),
         "disk_gbs": {"read": bw_read / 1e9, "write": bw_write / 1e9},
         "matmul_tflops": flops / 1e12, "io_bound_s": io_bound, "compute_bound_s": compute_bound,
         "step_over_bound": step / max(io_bound, compute_bound),

@@ -6,7 +6,9 @@ placement (placement.py) has put in host memory with their gradients. The state 
 a store (state.py): host memory for `offload_optimizer.device: "cpu"`, swap files for
 `"nvme"`. A step walks the sub-groups (`zero_optimization.sub_group_size` elements each)
 in order; for swap files, the read of sub-group k+1 is in flight while k is updated and
-the write of k proceeds while k+1 is updated, within `buffer_count` buffers.
+the write of k proceeds while k+1 is updated, within `buffer_count` buffers. The last
+writes finish after `step()` returns, and the first sub-groups of the next step are read
+during its forward and backward (Note [the step's I/O outside the step] in state.py).
 
 With a `BackgroundStep` runner (`delayed_update`), `step()` only snapshots what the step
 needs (gradient tensors, hyperparameters) and returns; `wait()` joins it. Anything that
@@ -126,9 +128,16 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
         if self.runner is not None:
             self.runner.wait()
 
+    def settle(self) -> None:
+        """Wait for the step, and for the I/O it leaves running (Note [the step's I/O
+        outside the step] in state.py): before counting a step's bytes."""
+        self.wait()
+        self._state_store.settle()
+
     def _run(self, work: list[_Work], options: list[dict]) -> None:
         store = self._state_store
         with torch.no_grad():  # grad mode is per thread: set it here, not only in step()
+            store.begin_step()
             ahead = store.prefetch(work[0].sg) if work else None
             for i, item in enumerate(work):
                 handle, ahead = ahead, None
@@ -142,7 +151,9 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
                 store.release(handle, item.stepped, state)
                 if nxt is not None and ahead is None:
                     ahead = store.prefetch(nxt.sg)
-            store.drain()
+            # the write-back drains behind the next forward, and the next step's first
+            # sub-groups are read meanwhile (Note [the step's I/O outside the step] in state.py)
+            store.finish_step([item.sg for item in work])
 
     def _update(self, item: _Work, state: dict[str, list], targets: list[torch.Tensor], steps: list,
                 options: list[dict], grads: list[torch.Tensor]) -> None:

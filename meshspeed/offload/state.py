@@ -4,7 +4,9 @@ Both stores serve the optimizer one *sub-group* at a time (at most `sub_group_si
 elements, whole parameters): `prefetch(sg)` starts making its state available,
 `acquire(handle)` returns it as per-key lists of tensors shaped like the parameters,
 `release(handle)` hands it back (for swap files: starts writing it out). The optimizer
-pipelines these so that the swap-in of sub-group k+1 overlaps the update of k.
+pipelines these so that the swap-in of sub-group k+1 overlaps the update of k, and
+brackets a step with `begin_step()` / `finish_step(sub_groups)` (Note [the step's I/O
+outside the step]).
 
 Each sub-group's state is one flat buffer per state key (`exp_avg`, `exp_avg_sq`), and a
 parameter's state is a view at its offset: one contiguous file and one I/O request per
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import threading
 from collections import deque
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from meshspeed.config.errors import ConfigError
-from meshspeed.offload.aio import IoRequest, SwapEngine
+from meshspeed.offload.aio import IoRequest, SwapEngine, write_generation
 from meshspeed.offload.hostmem import ALIGN, host_empty, round_up
 from meshspeed.parallel.slices import Deferred
 from meshspeed.process.progress import progress
@@ -137,6 +140,15 @@ class HostStore:
             for p, v in zip(params, values):
                 self.state[p][k] = v
 
+    def begin_step(self) -> None:
+        pass
+
+    def finish_step(self, sub_groups: list[SubGroup]) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
     def drain(self) -> None:
         pass
 
@@ -161,6 +173,7 @@ class BufferPool:
     def __init__(self, count: int, nbytes: int, pin: bool):
         self.nbytes = nbytes
         self.free = [host_empty(nbytes // _F32, pin=pin, align=ALIGN) for _ in range(count)]
+        self._all = list(self.free)  # free, being written, or taken (read into, read ahead)
         self.count = count
         self._busy: deque[tuple[list[IoRequest], list[torch.Tensor]]] = deque()
 
@@ -193,7 +206,8 @@ class BufferPool:
         self.free.extend(buffers)
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(self.free) + [b for _, bufs in self._busy for b in bufs]
+        """Every buffer of the pool, whoever holds it now."""
+        return list(self._all)
 
 
 @dataclass
@@ -203,6 +217,7 @@ class _Handle:
     reads: list[IoRequest]
     master: torch.Tensor | None = None  # the sub-group's fp32 masters, when they are swapped
     grad: torch.Tensor | None = None  # their gradients, when those are in files
+    generations: dict[str, int] | None = None  # read ahead: each file's write count at the read
 
 
 class SwapStore:
@@ -213,7 +228,26 @@ class SwapStore:
     (Adam's initial state). `state` is a mapping that reads a parameter's state from its
     files on access and writes it on assignment (checkpoints use it one parameter at a
     time, and `state.deferred(p)` to read one tensor at a time; iterating over all values
-    reads everything)."""
+    reads everything).
+
+    Note [the step's I/O outside the step]
+    The disk would idle through forward and backward, then do all of the step's optimizer
+    I/O at once. So the store moves some of it out of the step, within the same pool:
+      - write-behind: `finish_step` returns with the last sub-groups' masters and moments
+        and the masters' last published 16-bit ranges still being written. The next
+        forward's shard reads, the next step's reads and checkpoints are ordered after
+        them by the swap engine (Note [a read never overtakes an earlier write] in aio.py),
+        so nothing reads a range before its write has completed.
+      - read-ahead: a thread then waits for those writes (which frees the pool and the
+        16-bit copies) and reads the masters and moments of the first sub-groups of the
+        next step into the pool's free buffers, as many as fit. That read runs during the
+        next forward and backward; the step then only reads their gradients, which land
+        during backward. `begin_step` joins the thread and drops any buffer whose file was
+        written after it was read (`write_generation`: a checkpoint load or a user's
+        change of a master in between), which is then read again in the step.
+    Both use the `buffer_count` buffers the pool already holds (they are idle between
+    steps) and the masters' 256 MiB bound on 16-bit copies in flight: no memory is added.
+    The update itself is unchanged, so results are bit-identical."""
 
     tier = "nvme"
 
@@ -254,6 +288,11 @@ class SwapStore:
         # with every sub-group resident only gradients pass through the pool: two buffers
         count = buffer_count if len(self.resident) < len(sub_groups) else min(buffer_count, 2 * (self.grads is not None))
         self.pool = BufferPool(count, max((sg.nbytes for sg in sub_groups), default=0), pin)
+        # Note [the step's I/O outside the step]
+        self._early: dict[int, _Handle] = {}  # sub-group index -> read ahead for the next step
+        self._tail: list[tuple[IoRequest, torch.Tensor]] = []  # 16-bit publishes still in flight
+        self._ahead: threading.Thread | None = None
+        self._ahead_error: BaseException | None = None
         self._check_space()
         if preallocate:  # fail now, not mid-step, if the files cannot be created
             with progress(len(sub_groups) * len(rule.state_keys), "NVMe swap files", unit="file") as bar:
@@ -300,25 +339,100 @@ class SwapStore:
 
     # -- pipeline ---------------------------------------------------------------------------
     def prefetch(self, sg: SubGroup, block: bool = True) -> _Handle | None:
-        k = len(self.rule.state_keys)
-        if sg.index in self.resident:
+        if sg.index in self.resident:  # masters and moments in memory: only the gradients
             return self._prefetch_resident(sg, block)
+        early = self._early.pop(sg.index, None)
+        if early is not None:  # masters and moments were read ahead: only the gradients now
+            self._read_grads(early)
+            return early
+        return self._start(sg, block, grads=True)
+
+    def _start(self, sg: SubGroup, block: bool, grads: bool) -> _Handle | None:
+        k = len(self.rule.state_keys)
         buffers = self.pool.take(k + (self.masters is not None) + (self.grads is not None), block)
         if buffers is None:
             return None
         named = dict(zip(self.rule.state_keys, buffers))
         master = buffers[k] if self.masters is not None else None
         grad = buffers[k + 1] if self.grads is not None else None
+        paths = [self.path(sg, key) for key in named]
+        if master is not None:
+            paths += [self.masters.path(u) for u, *_ in self.runs[sg.index]]
+        generations = {p: write_generation(p) for p in paths}  # before the reads are submitted
         reads = [] if master is None else self.masters.read_runs(self.runs[sg.index], master)
-        if grad is not None:  # Note [gradients in their NVMe slot] in grad_files.py
-            reads += self.grads.read_runs(self.runs[sg.index], grad)
         for key, buf in named.items():
             region = buf[: sg.nbytes // _F32]
             if sg.index in self.written:
                 reads.append(self.engine.read(region, self.path(sg, key)))
             else:
                 region.zero_()
-        return _Handle(sg, named, reads, master, grad)
+        handle = _Handle(sg, named, reads, master, grad, generations)
+        if grads:
+            self._read_grads(handle)
+        return handle
+
+    def _read_grads(self, handle: _Handle) -> None:
+        if handle.grad is not None:  # Note [gradients in their NVMe slot] in grad_files.py
+            handle.reads += self.grads.read_runs(self.runs[handle.sg.index], handle.grad)
+
+    # -- Note [the step's I/O outside the step] ---------------------------------------------
+    def begin_step(self) -> None:
+        """Join the read-ahead; drop what was read from a file written since."""
+        self._join()
+        for index, handle in list(self._early.items()):
+            if any(write_generation(p) != g for p, g in handle.generations.items()):
+                self._drop(self._early.pop(index))
+
+    def finish_step(self, sub_groups: list[SubGroup]) -> None:
+        """Return with the write-back in flight; read `sub_groups`' masters and moments for
+        the next step as the writes free the pool."""
+        self._join()
+        if self.masters is not None:  # the publishes in flight become this store's to finish
+            self._tail += self.masters._pending
+            self.masters._pending = []
+        self._ahead = threading.Thread(target=self._read_ahead, args=(list(sub_groups),),
+                                       name="meshspeed-offload-read-ahead", daemon=True)
+        self._ahead.start()
+
+    def _read_ahead(self, sub_groups: list[SubGroup]) -> None:
+        try:
+            for request, _ in self._tail:
+                request.wait()
+            self._tail.clear()
+            self.pool.drain()
+            for sg in sub_groups:
+                if sg.index in self._early or sg.index in self.resident:
+                    continue  # (a resident sub-group has nothing to read ahead)
+                handle = self._start(sg, block=False, grads=False)
+                if handle is None:
+                    break
+                self._early[sg.index] = handle
+        except BaseException as err:  # noqa: BLE001 - re-raised by the next _join
+            self._ahead_error = err
+
+    def settle(self) -> None:
+        """The last step's write-back has completed and the next step's reads are submitted
+        (so `io_totals` has counted them: a step's bytes are then those between two settles)."""
+        self._join()
+
+    def _join(self) -> None:
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
+        err, self._ahead_error = self._ahead_error, None
+        if err is not None:
+            raise err
+
+    def _drop(self, handle: _Handle) -> None:
+        for r in handle.reads:
+            r.wait()
+        bufs = list(handle.buffers.values()) + [b for b in (handle.master, handle.grad) if b is not None]
+        self.pool.give_back(bufs)
+
+    def _discard_early(self) -> None:
+        self._join()
+        while self._early:
+            self._drop(self._early.popitem()[1])
 
     def _prefetch_resident(self, sg: SubGroup, block: bool) -> _Handle | None:
         bufs = self.resident[sg.index]
@@ -401,6 +515,8 @@ class SwapStore:
         self.written.add(sg.index)
 
     def drain(self) -> None:
+        """Every read and write of this store has completed (read-ahead dropped)."""
+        self._discard_early()
         self.pool.drain()
         if self.masters is not None:
             self.masters.drain()
@@ -414,6 +530,7 @@ class SwapStore:
 
     def read_key(self, p: nn.Parameter, key: str) -> torch.Tensor:
         """One state tensor of `p` (a copy, shaped like `p`)."""
+        self._join()
         sg, i = self.group_of[p], self.index_in[p]
         if sg.index in self.resident:
             o = sg.offsets[i]
@@ -426,6 +543,7 @@ class SwapStore:
         return t.view(p.shape)
 
     def write_param(self, p: nn.Parameter, entry: dict) -> None:
+        self._discard_early()  # (its files are about to change, and may be truncated)
         sg, i = self.group_of[p], self.index_in[p]
         if sg.index in self.resident:
             o = sg.offsets[i]
@@ -443,7 +561,8 @@ class SwapStore:
 
     # -- accounting ---------------------------------------------------------------------------
     def resident_tensors(self) -> list[torch.Tensor]:
-        return list(self.steps.values()) + self.pool.tensors() + \
+        self._join()  # (the pool's tensors include the buffers the read-ahead holds)
+        return list(self.steps.values()) + self.pool.tensors() + [b for _, b in self._tail] + \
             [b for bufs in self.resident.values() for b in bufs.values()]
 
     def nvme_bytes(self) -> int:

@@ -133,3 +133,44 @@ def test_background_step_runs_off_thread_and_reports_errors(tmp_path):
 def test_swap_store_needs_a_buffer_per_state(tmp_path):
     with pytest.raises(ConfigError, match="buffer_count"):
         _offloaded(_params(), "adamw", "nvme", tmp_path, buffers=1)
+
+
+def test_read_ahead_is_dropped_when_its_file_changes_between_steps(tmp_path):
+    """Note [the step's I/O outside the step]: after a step the store has read the first
+    sub-groups' moments ahead; a write to one of those files before the next step (here
+    straight through a swap engine) drops that read, and the next step still matches
+    torch's AdamW given the same change."""
+    params, ref = _reference("adamw")
+    mine = _params()
+    opt = _offloaded(mine, "adamw", "nvme", tmp_path, buffers=6)
+    _train(params, ref, steps=2)
+    _train(mine, opt, steps=2)
+    store = opt.store
+    store._join()
+    assert sorted(store._early) == [0, 1, 2]  # 6 buffers, 2 per sub-group
+    first = store.sub_groups[0]
+    engine = SwapEngine()
+    engine.write(torch.zeros(first.numel), store.path(first, "exp_avg")).wait()
+    engine.close()
+    for p in params[:2]:
+        ref.state[p]["exp_avg"].zero_()
+    for p, q, g in zip(params, mine, _grads(params, 7)):
+        p.grad, q.grad = g, g.clone()
+    ref.step()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, mine))
+    for p, q in zip(params, mine):
+        assert torch.equal(ref.state[p]["exp_avg"], opt.state[q]["exp_avg"])
+
+
+def test_memory_tensors_count_the_pool_while_it_reads_ahead(tmp_path):
+    """Buffers the read-ahead holds between steps are still the pool's memory."""
+    mine = _params()
+    opt = _offloaded(mine, "adamw", "nvme", tmp_path, buffers=6)
+    _train(mine, opt, steps=2)
+    opt.store._join()
+    assert opt.store._early  # some buffers are taken by the read-ahead now
+    pool = 6 * opt.store.pool.nbytes
+    held = {t.untyped_storage().data_ptr(): t.nbytes for t in opt.memory_tensors() if t.dim()}
+    assert sum(held.values()) == pool
+    assert sum(t.nbytes for t in opt.store.pool.tensors()) == pool
