@@ -401,8 +401,13 @@ class SwapStore:
             self._tail.clear()
             self.pool.drain()
             for sg in sub_groups:
-                if sg.index in self._early or sg.index in self.resident:
-                    continue  # (a resident sub-group has nothing to read ahead)
+                if sg.index in self.resident:
+                    # its gradients need a pool buffer the read-ahead must not hold: read
+                    # ahead only the sub-groups the step reaches before the first resident one
+                    # (resident ones come first in the step, so with residency this reads none)
+                    break
+                if sg.index in self._early:
+                    continue
                 handle = self._start(sg, block=False, grads=False)
                 if handle is None:
                     break

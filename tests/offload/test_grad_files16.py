@@ -60,8 +60,10 @@ def _grad_io(s, wide: bool) -> dict:
         engine = _engine(s)
         batches = make_batches(s)
         losses = _train_batches(engine, s, batches[:-1])
+        engine.optimizer.settle()  # a step's write-back and read-ahead run after it returns
         before = io_totals()
         losses += _train_batches(engine, s, batches[-1:])
+        engine.optimizer.settle()
         after = io_totals()
         out = {"read": after["read"] - before["read"], "write": after["write"] - before["write"],
                "owned": sum(sl.end - sl.start for sl in engine.strategy.owned_slices()),

@@ -124,8 +124,10 @@ def _run(s, keep_units):
         store.keep(keep_units * sorted(sizes)[-2])
     batches = make_batches(s)
     losses = _train_batches(engine, s, batches[:-1])
+    engine.optimizer.settle()  # a step's write-back and read-ahead run after it returns
     before = io_totals()
     losses += _train_batches(engine, s, batches[-1:])
+    engine.optimizer.settle()
     after = io_totals()
     opt = engine.optimizer.store
     out = {"losses": losses, "params": full_state_dict(engine), "read": after["read"] - before["read"],
