@@ -14,14 +14,18 @@ config and from the largest unit and parameter, not from the model's size:
                           or the largest unit shard when every shard is smaller (the
                           pool is sized at first use: Note [shards larger than a
                           staging buffer] in meshspeed/offload/param.py)
-  gradient_staging        ZeRO's reduce-scatter staging pool: the root unit and the two
-                          block units in flight, each whole plus its 1/dp result, in
-                          the reduction dtype
-  gathered_params         the root unit (embedding + head: whole for all of forward and
-                          backward) plus stage3_max_live_parameters + one prefetch bucket
-                          of blocks (at least one block), 16-bit
-  unit_gradient           the largest unit's (usually the root's) reduced 16-bit shard
-                          and its fp32 copy on its way to the file
+  gradient_staging        ZeRO's reduce-scatter staging pool: the largest unit outside
+                          the blocks (one vocab x d_model matrix: the embedding or the
+                          head, each a unit of its own, or both tied in the root unit;
+                          Note [the root unit split] in meshspeed/parallel/zero/grouping.py)
+                          and the two block units in flight, each whole plus its 1/dp
+                          result, in the reduction dtype
+  gathered_params         that vocab x d_model matrix (the tied root is whole for all of
+                          forward and backward; untied, the embedding or the head is
+                          whole around its own use) plus stage3_max_live_parameters + one
+                          prefetch bucket of blocks (at least one block), 16-bit
+  unit_gradient           the largest unit's reduced 16-bit shard and its fp32 copy on
+                          its way to the file
   writes_in_flight        2 x 256 MiB (Note [bounded writes in flight] in
                           meshspeed/offload/masters.py: published 16-bit ranges and
                           landed gradients)
@@ -62,8 +66,14 @@ _WIDTHS = ((2e8, 768), (5e8, 1024), (1e9, 1536), (2.4e9, 2048), (4.5e9, 2560), (
 
 
 def root_param_count(shape: ModelShape) -> int:
-    """Parameters of the root unit: the embedding and, untied, the head."""
+    """Parameters outside the blocks: the embedding and, untied, the head."""
     return shape.vocab_size * shape.d_model * (1 if shape.tie_embeddings else 2)
+
+
+def outer_unit_count(shape: ModelShape) -> int:
+    """Parameters of the largest unit outside the blocks: one vocab x d_model matrix, tied
+    or not (Note [the root unit split] in meshspeed/parallel/zero/grouping.py)."""
+    return shape.vocab_size * shape.d_model
 
 
 def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes: float = 4,
@@ -73,22 +83,21 @@ def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes:
                       prefetch_bucket_size: int = 50_000_000) -> dict[str, int]:
     """Bytes per rank of each buffer of Note [what an everything-on-NVMe rank holds]."""
     s = ModelShape.from_any(shape)
-    block, root = block_param_count(s), root_param_count(s)
-    shard = -(-(root + s.n_layer * block) // dp)
-    largest_unit_shard = max(-(-root // dp), -(-block // dp))
+    block, outer = block_param_count(s), outer_unit_count(s)
+    shard = -(-(root_param_count(s) + s.n_layer * block) // dp)
+    largest_unit_shard = max(-(-outer // dp), -(-block // dp))
     # a rank's range of a unit can hold a whole parameter (where the range boundaries fall),
     # so its largest slice is at most the parameter and at most its unit's 1/dp
-    largest_slice = max(min(s.vocab_size * s.d_model, -(-root // dp)),
-                        min(s.ffn * s.d_model, -(-block // dp)))
+    largest_slice = max(-(-outer // dp), min(s.ffn * s.d_model, -(-block // dp)))
     sub_group = max(min(sub_group_size, shard), largest_slice)
-    in_flight = root + min(2, s.n_layer) * block
+    in_flight = outer + min(2, s.n_layer) * block
     live_blocks = min(s.n_layer * block, max(block, max_live_parameters + prefetch_bucket_size))
     out = {
         "optimizer_swap_buffers": optimizer_buffer_count * sub_group * FP32,
         "param_swap_buffers": math.ceil(
             param_buffer_count * min(param_buffer_size, largest_unit_shard) * param_bytes),
         "gradient_staging": math.ceil(in_flight * (1 + 1 / dp) * comm_bytes),
-        "gathered_params": math.ceil((root + live_blocks) * param_bytes),
+        "gathered_params": math.ceil((outer + live_blocks) * param_bytes),
         "unit_gradient": math.ceil(largest_unit_shard * (param_bytes + FP32)),
         "writes_in_flight": WRITES_IN_FLIGHT,
     }

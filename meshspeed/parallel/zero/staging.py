@@ -5,13 +5,23 @@ this pool and go back once their reduction has landed, so a step allocates nothi
 the first, and the full-gradient bytes alive at once are the buffers out of the pool: the
 unit being filled, the one reduction kept in flight, and any unit whose gradients arrive
 interleaved with another's (a parameter used early and late in forward). A request is
-served from a free buffer large enough, else a new buffer is made (the pool grows to the
-most buffers ever out at once; `high_water_bytes` says how much that was).
+served from the smallest free buffer large enough but at most `MAX_OVERSIZE` times the
+request, else a new buffer is made (the pool grows to the most buffers ever out at once;
+`high_water_bytes` says how much that was).
+
+The size cap keeps a large buffer for a large request. Stage 3 stages the head's gradient
+first in backward and the embedding's last (Note [the root unit split] in grouping.py).
+Were the blocks between them served from the head's buffer, the one a block holds in
+flight when the embedding's gradient lands could be that buffer, and the embedding would
+make a second one: two vocabulary-sized buffers where one serves both. With the cap the
+blocks make buffers of their own size and the embedding finds the head's free.
 """
 
 from __future__ import annotations
 
 import torch
+
+MAX_OVERSIZE = 2
 
 
 class StagingPool:
@@ -25,7 +35,7 @@ class StagingPool:
 
     def take(self, numel: int) -> torch.Tensor:
         """A buffer view of `numel` elements (contents undefined)."""
-        fits = [b for b in self.free if b.numel() >= numel]
+        fits = [b for b in self.free if numel <= b.numel() <= MAX_OVERSIZE * numel]
         if fits:
             base = min(fits, key=lambda b: b.numel())
             self.free = [b for b in self.free if b is not base]  # (list.remove would compare values)
