@@ -2,9 +2,10 @@
 
 Every unit is a `FlatUnit` (flat.py, Note [flat units]). Stages 1 and 2 group consecutive
 parameters in reverse registration order (about the order backward produces gradients),
-at most `unit_numel(...)` elements each. Stage 3 makes one sharded unit per block, a
-sharded root unit, and one whole unit for the parameters below the persistence threshold
-(gradients reduced as in stage 2). The engine drives the strategy through
+at most `unit_numel(...)` elements each. Stage 3 makes one sharded unit per block, one
+per other module that alone owns parameters (the embedding, the head: Note [the root unit
+split] in grouping.py), a sharded root unit for the rest, and one whole unit for the
+parameters below the persistence threshold (gradients reduced as in stage 2). The engine drives the strategy through
 meshspeed/parallel/protocol.py.
 """
 
