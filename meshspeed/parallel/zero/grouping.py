@@ -16,7 +16,7 @@ to hold the embedding and the head, it would be the largest thing gathered and s
 registered by exactly one module outside the blocks, other than the model itself, is a
 unit of that module: the embedding is gathered before its forward and released after,
 the head likewise (kept whole from the end of forward into the start of backward, as the
-last block would be), and each gradient is staged and reduced when its own backward
+last unit of forward is), and each gradient is staged and reduced when its own backward
 lands. The root keeps what no single submodule owns:
 - parameters the model registers itself (a learned position table used in its forward);
 - a parameter two modules register (a head tied to the embedding, one Parameter). It
@@ -29,9 +29,17 @@ lands. The root keeps what no single submodule owns:
 - parameters used outside their module (registered in external.py).
 The largest unit outside the blocks, and so the largest staging term, is then one
 vocab x d_model matrix, tied or not, where it was two untied
-(meshspeed/planner/offload.py counts it so). A model whose parent reads a child's weight
-directly in its own forward must register that use (external.py), as under DeepSpeed,
-whose every module is gathered only around its own forward.
+(meshspeed/planner/offload.py counts it so). The price is in gathers: the embedding is
+gathered for its forward and again for its backward, and the last block, no longer the
+last unit of forward (the head is), is released after its forward and gathered again
+for its backward, as every other block is: two all-gathers more per step (with shards on
+NVMe, two reads more: for the 2B GPT of docs/infinity.md, 134 MB and 101 MB of 16-bit
+shard, against the 7.5 GB of its blocks' shards read twice). The collectives per step
+grow likewise: each unit split off is an all-gather in forward, one in backward (not the
+head's: it stays whole) and a reduce-scatter, where the root had one of each in all.
+A model whose parent reads a child's weight directly in its own forward must register
+that use (external.py), as under DeepSpeed, whose every module is gathered only around
+its own forward.
 """
 
 from __future__ import annotations

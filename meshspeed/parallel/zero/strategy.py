@@ -234,8 +234,9 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOve
         training = torch.is_grad_enabled()
         if not (training and self.fetcher.last_in_forward(index)):
             self.fetcher.release(index)
-        # else: the last block of forward is the first of backward; keeping it whole saves
-        # releasing and re-gathering it back to back (one block's all-gather per step)
+        # else: the last unit of forward (the head, when it is a unit of its own: Note [the
+        # root unit split] in grouping.py; else the last block) is the first of backward;
+        # keeping it whole saves releasing and re-gathering it back to back
         if training:
             return attach_pre_backward(output, partial(self.fetcher.fetch, index, Pass.BACKWARD))
         return output  # (inference: every unit was released above)
