@@ -9,19 +9,21 @@ served from the smallest free buffer large enough but at most `MAX_OVERSIZE` tim
 request, else a new buffer is made (the pool grows to the most buffers ever out at once;
 `high_water_bytes` says how much that was).
 
-The size cap keeps a large buffer for a large request. Stage 3 stages the head's gradient
-first in backward and the embedding's last (Note [the root unit split] in grouping.py).
-Were the blocks between them served from the head's buffer, the one a block holds in
-flight when the embedding's gradient lands could be that buffer, and the embedding would
-make a second one: two vocabulary-sized buffers where one serves both. With the cap the
-blocks make buffers of their own size and the embedding finds the head's free.
+The size cap keeps buffers to requests of about their size (padding differs by a few
+elements). Stage 3 stages the head's gradient first in backward and the embedding's last
+(Note [the root unit split] in grouping.py). Were the blocks between them served from the
+head's buffers (a 2B GPT's block is 0.75 of its head), the ones a block holds in flight
+when the embedding's gradient lands could be those, and the embedding would make two
+more: four vocabulary-sized buffers where two serve both. With the cap the blocks make
+buffers of their own size and the embedding finds the head's free, so the pool is what
+the units in flight of each size need at once.
 """
 
 from __future__ import annotations
 
 import torch
 
-MAX_OVERSIZE = 2
+MAX_OVERSIZE = 1.25
 
 
 class StagingPool:
