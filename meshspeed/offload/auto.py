@@ -23,7 +23,7 @@ from meshspeed import comm
 from meshspeed.config.errors import ConfigError
 from meshspeed.offload.hostmem import available_host_bytes
 from meshspeed.parallel.zero.external import external_uses
-from meshspeed.parallel.zero.grouping import module_units
+from meshspeed.parallel.zero.grouping import block_modules, module_units
 from meshspeed.parallel.zero.init_shards import full_numel
 from meshspeed.planner.nvme_defaults import KEYS, choose, format_choice
 from meshspeed.planner.offload import UnitSizes
@@ -57,12 +57,18 @@ def unit_sizes(module: nn.Module, persistence_threshold: int) -> UnitSizes:
     """The sizes of the stage-3 units `Zero` will build from `module` (grouping.py)."""
     plan = module_units(module, persistence_threshold, numel=full_numel,
                         external=external_uses(module))
-    root = [full_numel(p) for u in plan.units if u.name == "root" for _, p in u.params]
+    block_names = {name for name, _ in block_modules(module)}
     blocks = [[full_numel(p) for _, p in u.params] for u in plan.units
-              if u.shard_params and u.name != "root"]
+              if u.shard_params and u.name.removesuffix(".experts") in block_names]
+    # outside the blocks: the root and, split from it, the embedding's and the head's units
+    # (Note [the root unit split] in meshspeed/parallel/zero/grouping.py)
+    outer = [[full_numel(p) for _, p in u.params] for u in plan.units
+             if u.shard_params and u.name.removesuffix(".experts") not in block_names]
+    root = [n for u in outer for n in u]
     return UnitSizes(root=sum(root), block=max(map(sum, blocks), default=0),
                      n_blocks=len(blocks), root_param=max(root, default=0),
-                     block_param=max((n for b in blocks for n in b), default=0))
+                     block_param=max((n for b in blocks for n in b), default=0),
+                     outer=max(map(sum, outer), default=0))
 
 
 def choose_unset_knobs(cfg, module: nn.Module, dp: int, *, on_cpu: bool):

@@ -38,7 +38,8 @@ _BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default, element
 #   and, depending on when the asynchronous reduction runs against backward, one more
 #   bucket-sized copy: measured peaks of the same step differ by exactly that (two runs,
 #   4.24 MB and 4.80 MB for a 140k-parameter fp32 model), so it is counted.
-# * stage 3: the units in flight (the root unit -- embedding and head -- and two blocks),
+# * stage 3: the units in flight (the largest outside the blocks -- the embedding or the
+#   head, or both tied in the root unit: one vocab x d_model matrix -- and two blocks),
 #   each with its gradient staging (whole + 1/n, as in offload.py) and its gathered
 #   16-bit working copy; with checkpointing one more gathered block (the recomputed
 #   forward's), seen as up to 0.46 MB more at the peak of a 2-layer model, depending
@@ -154,7 +155,7 @@ def _buffers(model: PlanModel, c: Candidate, pb: int, gb: int, dense: int) -> fl
     if c.stage == 2:
         return gb * min(dense, _BUCKET) * (2 + 1 / n)
     s = model.shape
-    root = -(-s.vocab_size * s.d_model * (1 if s.tie_embeddings else 2) // c.tp)
+    root = -(-s.vocab_size * s.d_model // c.tp)  # Note [the root unit split] (zero/grouping.py)
     block = model.dense_block_params(False) // c.tp
     in_flight = min(2, s.n_layer // c.pp)
     staging = min(root + in_flight * block, dense)

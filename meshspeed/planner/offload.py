@@ -14,13 +14,17 @@ config and from the largest unit and parameter, not from the model's size:
                           or the largest unit shard when every shard is smaller (the
                           pool is sized at first use: Note [shards larger than a
                           staging buffer] in meshspeed/offload/param.py)
-  gradient_staging        ZeRO's reduce-scatter staging pool: the root unit and the two
-                          block units in flight, each whole plus its 1/dp result, in
-                          the reduction dtype
-  gathered_params         the root unit (embedding + head: whole for all of forward and
-                          backward) plus stage3_max_live_parameters + one prefetch bucket
-                          of blocks (at least one block), 16-bit
-  unit_gradient           the largest unit's (usually the root's) reduced 16-bit shard,
+  gradient_staging        ZeRO's reduce-scatter staging pool: the largest unit outside
+                          the blocks (one vocab x d_model matrix: the embedding or the
+                          head, each a unit of its own, or both tied in the root unit;
+                          Note [the root unit split] in meshspeed/parallel/zero/grouping.py)
+                          and the two block units in flight, each whole plus its 1/dp
+                          result, in the reduction dtype
+  gathered_params         that vocab x d_model matrix (the tied root is whole for all of
+                          forward and backward; untied, the embedding or the head is
+                          whole around its own use) plus stage3_max_live_parameters + one
+                          prefetch bucket of blocks (at least one block), 16-bit
+  unit_gradient           the largest unit's reduced 16-bit shard,
                           with, on its way to the file, one master's span in fp32 (its
                           norm) and then its aligned 16-bit copy (Note [16-bit gradient
                           files] in meshspeed/offload/grad_files.py): counted as an fp32
@@ -70,15 +74,23 @@ _WIDTHS = ((2e8, 768), (5e8, 1024), (1e9, 1536), (2.4e9, 2048), (4.5e9, 2560), (
 
 
 def root_param_count(shape: ModelShape) -> int:
-    """Parameters of the root unit: the embedding and, untied, the head."""
+    """Parameters outside the blocks: the embedding and, untied, the head."""
     return shape.vocab_size * shape.d_model * (1 if shape.tie_embeddings else 2)
+
+
+def outer_unit_count(shape: ModelShape) -> int:
+    """Parameters of the largest unit outside the blocks: one vocab x d_model matrix, tied
+    or not (Note [the root unit split] in meshspeed/parallel/zero/grouping.py)."""
+    return shape.vocab_size * shape.d_model
 
 
 @dataclass(frozen=True)
 class UnitSizes:
     """What the buffers depend on (Note [what an everything-on-NVMe rank holds]), in
-    elements: the root unit, the largest block unit and how many blocks, and the largest
-    parameter of each. `of_shape` reads them off a decoder's shape; initialize reads them
+    elements: every parameter outside the blocks (`root`), the largest unit outside the
+    blocks (`outer`: the embedding's or the head's, or the tied root; Note [the root unit
+    split] in meshspeed/parallel/zero/grouping.py), the largest block unit and how many
+    blocks, and the largest parameter of each. `of_shape` reads them off a decoder's shape; initialize reads them
     off the model's stage-3 units (meshspeed/offload/auto.py)."""
 
     root: int
@@ -86,21 +98,27 @@ class UnitSizes:
     n_blocks: int
     root_param: int
     block_param: int
+    outer: int = 0  # 0: the whole root is one unit (as before the split)
 
     @classmethod
     def of_shape(cls, shape: Any) -> UnitSizes:
         s = ModelShape.from_any(shape)
         return cls(root=root_param_count(s), block=block_param_count(s), n_blocks=s.n_layer,
-                   root_param=s.vocab_size * s.d_model, block_param=s.ffn * s.d_model)
+                   root_param=s.vocab_size * s.d_model, block_param=s.ffn * s.d_model,
+                   outer=outer_unit_count(s))
 
     @classmethod
     def of(cls, sizes: Any) -> UnitSizes:
         return sizes if isinstance(sizes, UnitSizes) else cls.of_shape(sizes)
 
+    @property
+    def largest_outer(self) -> int:
+        return self.outer or self.root
+
     def largest_slice(self, dp: int) -> int:
         """A rank's largest slice of one parameter: a range boundary can leave a whole
         parameter in one rank's range, and a range is at most its unit's 1/dp."""
-        return max(min(self.root_param, -(-self.root // dp)),
+        return max(min(self.root_param, -(-self.largest_outer // dp)),
                    min(self.block_param, -(-self.block // dp)))
 
 
@@ -113,18 +131,18 @@ def nvme_host_buffers(shape, *, dp: int = 1, param_bytes: float = 2, comm_bytes:
     """Bytes per rank of each buffer of Note [what an everything-on-NVMe rank holds], for a
     ModelShape (or anything `ModelShape.from_any` takes) or a `UnitSizes`."""
     u = UnitSizes.of(shape)
-    block, root = u.block, u.root
+    block, root, outer = u.block, u.root, u.largest_outer
     shard = -(-(root + u.n_blocks * block) // dp)
-    largest_unit_shard = max(-(-root // dp), -(-block // dp))
+    largest_unit_shard = max(-(-outer // dp), -(-block // dp))
     sub_group = max(min(sub_group_size, shard), u.largest_slice(dp))
-    in_flight = root + min(2, u.n_blocks) * block
+    in_flight = outer + min(2, u.n_blocks) * block
     live_blocks = min(u.n_blocks * block, max(block, max_live_parameters + prefetch_bucket_size))
     out = {
         "optimizer_swap_buffers": optimizer_buffer_count * sub_group * FP32,
         "param_swap_buffers": math.ceil(
             param_buffer_count * min(param_buffer_size, largest_unit_shard) * param_bytes),
         "gradient_staging": math.ceil(in_flight * (1 + 1 / dp) * comm_bytes),
-        "gathered_params": math.ceil((root + live_blocks) * param_bytes),
+        "gathered_params": math.ceil((outer + live_blocks) * param_bytes),
         "unit_gradient": math.ceil(largest_unit_shard * (param_bytes + FP32)),
         "writes_in_flight": WRITES_IN_FLIGHT,
     }

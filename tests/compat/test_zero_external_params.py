@@ -125,11 +125,15 @@ def _misuse():
     engine = meshspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(3))[0]
     block2 = engine.module.layers[2]
     meshspeed.zero.register_external_parameter(block2, block2.lin.weight)  # its own: fine
-    meshspeed.zero.register_external_parameter(block2, model.head.weight)  # root: whole anyway
+    meshspeed.zero.register_external_parameter(model.head, model.head.weight)  # its own unit's
     try:  # another block's parameter, after initialize: would need regrouping
         meshspeed.zero.register_external_parameter(block2, model.layers[0].lin.weight)
     except RuntimeError as err:
         out["after initialize"] = str(err)
+    try:  # the head is a unit of its own (Note [the root unit split]), whole only around its use
+        meshspeed.zero.register_external_parameter(block2, model.head.weight)
+    except RuntimeError as err:
+        out["head after initialize"] = str(err)
     return out
 
 
@@ -139,3 +143,4 @@ def test_misuse_is_reported():
         assert "not a registered external parameter" in out["not registered"]
         assert "not a registered external parameter" in out["twice"]
         assert "before initialize" in out["after initialize"]
+        assert "unit head" in out["head after initialize"]

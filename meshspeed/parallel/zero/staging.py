@@ -5,13 +5,25 @@ this pool and go back once their reduction has landed, so a step allocates nothi
 the first, and the full-gradient bytes alive at once are the buffers out of the pool: the
 unit being filled, the one reduction kept in flight, and any unit whose gradients arrive
 interleaved with another's (a parameter used early and late in forward). A request is
-served from a free buffer large enough, else a new buffer is made (the pool grows to the
-most buffers ever out at once; `high_water_bytes` says how much that was).
+served from the smallest free buffer large enough but at most `MAX_OVERSIZE` times the
+request, else a new buffer is made (the pool grows to the most buffers ever out at once;
+`high_water_bytes` says how much that was).
+
+The size cap keeps buffers to requests of about their size (padding differs by a few
+elements). Stage 3 stages the head's gradient first in backward and the embedding's last
+(Note [the root unit split] in grouping.py). Were the blocks between them served from the
+head's buffers (a 2B GPT's block is 0.75 of its head), the ones a block holds in flight
+when the embedding's gradient lands could be those, and the embedding would make two
+more: four vocabulary-sized buffers where two serve both. With the cap the blocks make
+buffers of their own size and the embedding finds the head's free, so the pool is what
+the units in flight of each size need at once.
 """
 
 from __future__ import annotations
 
 import torch
+
+MAX_OVERSIZE = 1.25
 
 
 class StagingPool:
@@ -25,7 +37,7 @@ class StagingPool:
 
     def take(self, numel: int) -> torch.Tensor:
         """A buffer view of `numel` elements (contents undefined)."""
-        fits = [b for b in self.free if b.numel() >= numel]
+        fits = [b for b in self.free if numel <= b.numel() <= MAX_OVERSIZE * numel]
         if fits:
             base = min(fits, key=lambda b: b.numel())
             self.free = [b for b in self.free if b is not base]  # (list.remove would compare values)

@@ -2,9 +2,10 @@
 
 Every unit is a `FlatUnit` (flat.py, Note [flat units]). Stages 1 and 2 group consecutive
 parameters in reverse registration order (about the order backward produces gradients),
-at most `unit_numel(...)` elements each. Stage 3 makes one sharded unit per block, a
-sharded root unit, and one whole unit for the parameters below the persistence threshold
-(gradients reduced as in stage 2). The engine drives the strategy through
+at most `unit_numel(...)` elements each. Stage 3 makes one sharded unit per block, one
+per other module that alone owns parameters (the embedding, the head: Note [the root unit
+split] in grouping.py), a sharded root unit for the rest, and one whole unit for the
+parameters below the persistence threshold (gradients reduced as in stage 2). The engine drives the strategy through
 meshspeed/parallel/protocol.py.
 """
 
@@ -233,8 +234,9 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOve
         training = torch.is_grad_enabled()
         if not (training and self.fetcher.last_in_forward(index)):
             self.fetcher.release(index)
-        # else: the last block of forward is the first of backward; keeping it whole saves
-        # releasing and re-gathering it back to back (one block's all-gather per step)
+        # else: the last unit of forward (the head, when it is a unit of its own: Note [the
+        # root unit split] in grouping.py; else the last block) is the first of backward;
+        # keeping it whole saves releasing and re-gathering it back to back
         if training:
             return attach_pre_backward(output, partial(self.fetcher.fetch, index, Pass.BACKWARD))
         return output  # (inference: every unit was released above)

@@ -92,23 +92,25 @@ def assert_partition(plan, model):
     assert {id(p) for p in got} == {id(p) for p in model.parameters()}
 
 
-def test_one_unit_per_block_then_root_then_persistent():
+def test_one_unit_per_block_then_embedding_and_head_then_persistent():
     model = Net()
     plan = module_units(model, persistence_threshold=4)
-    assert [u.name for u in plan.units] == ["layers.0", "layers.1", "root", "persistent"]
+    # Note [the root unit split]: the embedding and the head are units of their own
+    assert [u.name for u in plan.units] == ["layers.0", "layers.1", "emb", "head", "persistent"]
     units = by_name(plan)
     assert names(units["layers.0"]) == ["layers.0.lin.weight"]
     assert names(units["layers.1"]) == ["layers.1.lin.weight"]
-    assert names(units["root"]) == ["emb.weight", "head.weight"]
+    assert names(units["emb"]) == ["emb.weight"]
+    assert names(units["head"]) == ["head.weight"]
+    assert units["emb"].module is model.emb and units["head"].module is model.head
+    assert plan.root is None
     assert names(units["persistent"]) == [
         "layers.0.lin.bias", "layers.0.norm.weight", "layers.0.norm.bias",
         "layers.1.lin.bias", "layers.1.norm.weight", "layers.1.norm.bias"]
     assert units["layers.0"].module is model.layers[0]
     assert units["layers.1"].module is model.layers[1]
-    assert units["root"].module is model
-    assert plan.root is units["root"]
     assert units["persistent"].module is None
-    assert [u.shard_params for u in plan.units] == [True, True, True, False]
+    assert [u.shard_params for u in plan.units] == [True, True, True, True, False]
     assert units["layers.0"].params[0][1] is model.layers[0].lin.weight
     assert_partition(plan, model)
 
@@ -116,10 +118,10 @@ def test_one_unit_per_block_then_root_then_persistent():
 def test_threshold_is_inclusive_and_zero_keeps_everything_sharded():
     model = Net()
     plan = module_units(model, persistence_threshold=16)  # lin.weight (16) now persists
-    assert [u.name for u in plan.units] == ["root", "persistent"]  # empty blocks dropped
+    assert [u.name for u in plan.units] == ["emb", "head", "persistent"]  # empty blocks dropped
     assert len(by_name(plan)["persistent"].params) == 2 * 4
     plan = module_units(model, persistence_threshold=0)
-    assert [u.name for u in plan.units] == ["layers.0", "layers.1", "root"]
+    assert [u.name for u in plan.units] == ["layers.0", "layers.1", "emb", "head"]
     assert names(by_name(plan)["layers.0"]) == [
         "layers.0.lin.weight", "layers.0.lin.bias", "layers.0.norm.weight", "layers.0.norm.bias"]
     assert_partition(plan, model)
@@ -128,8 +130,38 @@ def test_threshold_is_inclusive_and_zero_keeps_everything_sharded():
 def test_tied_weights_appear_once_in_root():
     model = Net(tie=True)
     plan = module_units(model, persistence_threshold=4)
+    # one Parameter registered by two modules: the root (Note [the root unit split])
+    assert [u.name for u in plan.units] == ["layers.0", "layers.1", "root", "persistent"]
     assert names(by_name(plan)["root"]) == ["emb.weight"]
+    assert by_name(plan)["root"].module is model
     assert_partition(plan, model)
+
+
+def test_parameters_of_the_model_itself_stay_in_root():
+    model = Net()
+    model.pos = nn.Parameter(torch.zeros(8, 4))  # used by the model's own forward
+    plan = module_units(model, persistence_threshold=4)
+    assert names(by_name(plan)["root"]) == ["pos"]
+    assert names(by_name(plan)["emb"]) == ["emb.weight"]
+    assert_partition(plan, model)
+
+
+def test_a_module_reused_under_two_names_is_one_unit():
+    model = Net()
+    model.head2 = model.head  # one module called twice: its hooks bracket both calls
+    plan = module_units(model, persistence_threshold=4)
+    assert names(by_name(plan)["head"]) == ["head.weight"]
+    assert plan.root is None
+    assert_partition(plan, model)
+
+
+def test_external_use_moves_an_outside_parameter_to_root():
+    model = Net()
+    plan = module_units(model, persistence_threshold=4, external=[(model.head, model.emb.weight)])
+    assert names(by_name(plan)["root"]) == ["emb.weight"]
+    assert "emb" not in by_name(plan)
+    plan = module_units(model, persistence_threshold=4, external=[(model.emb, model.emb.weight)])
+    assert names(by_name(plan)["emb"]) == ["emb.weight"]  # a use inside its own module
 
 
 def test_parameter_shared_by_two_blocks_stays_in_root():
@@ -137,8 +169,8 @@ def test_parameter_shared_by_two_blocks_stays_in_root():
     model.layers[2].lin = model.layers[0].lin  # blocks 0 and 2 share one Linear
     plan = module_units(model, persistence_threshold=0)
     units = by_name(plan)
-    assert names(units["root"]) == ["emb.weight", "layers.0.lin.weight", "layers.0.lin.bias",
-                                    "head.weight"]
+    assert names(units["root"]) == ["layers.0.lin.weight", "layers.0.lin.bias"]
+    assert names(units["emb"]) == ["emb.weight"]
     assert names(units["layers.0"]) == ["layers.0.norm.weight", "layers.0.norm.bias"]
     assert names(units["layers.1"]) == [
         "layers.1.lin.weight", "layers.1.lin.bias", "layers.1.norm.weight", "layers.1.norm.bias"]
@@ -153,7 +185,8 @@ def test_parameter_shared_by_a_block_and_the_root_stays_in_root():
     plan = module_units(model, persistence_threshold=4)
     units = by_name(plan)
     assert_partition(plan, model)
-    assert names(units["root"]) == ["emb.weight", "head.weight"]
+    assert names(units["root"]) == ["emb.weight"]
+    assert names(units["head"]) == ["head.weight"]
     assert "layers.0" not in units  # its one sharded parameter went to root
 
 
@@ -173,18 +206,19 @@ def test_nested_module_lists():
     model = Outer()
     plan = module_units(model, persistence_threshold=0)
     # the outermost ModuleList's elements are the units; lists inside them are not split
-    assert [u.name for u in plan.units] == ["encoder.layers.0", "encoder.layers.1", "root"]
+    assert [u.name for u in plan.units] == ["encoder.layers.0", "encoder.layers.1", "out"]
     units = by_name(plan)
     assert names(units["encoder.layers.1"]) == [
         "encoder.layers.1.experts.0.weight", "encoder.layers.1.experts.1.weight"]
     assert units["encoder.layers.1"].module is model.encoder.layers[1]
-    assert names(units["root"]) == ["out.weight"]
+    assert names(units["out"]) == ["out.weight"]
     assert_partition(plan, model)
 
 
-def test_model_without_blocks_is_one_root_unit():
+def test_model_without_blocks_is_one_unit_per_module():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     plan = module_units(model, persistence_threshold=4)
-    assert [u.name for u in plan.units] == ["root", "persistent"]
-    assert names(plan.units[0]) == ["0.weight", "1.weight"]
-    assert names(plan.units[1]) == ["0.bias", "1.bias"]
+    assert [u.name for u in plan.units] == ["0", "1", "persistent"]
+    assert names(plan.units[0]) == ["0.weight"]
+    assert names(plan.units[1]) == ["1.weight"]
+    assert names(plan.units[2]) == ["0.bias", "1.bias"]
