@@ -120,8 +120,8 @@ def _run(s, keep_units):
     engine = _engine(s)
     store = engine.strategy.units[0].shard_store
     sizes = [round_up(n * 2) for n in store.numel]
-    if keep_units:  # room for k block units (the root unit, larger, is never kept)
-        store.keep(keep_units * sorted(sizes)[-2])
+    if keep_units:  # room for k block units (the embedding's and head's, larger, are not kept)
+        store.keep(keep_units * max(n for n in sizes if n < max(sizes)))
     batches = make_batches(s)
     losses = _train_batches(engine, s, batches[:-1])
     engine.optimizer.settle()  # a step's write-back and read-ahead run after it returns
@@ -166,7 +166,11 @@ def test_residency_cuts_the_bytes_and_not_the_bits(tmp_path):
     # a resident sub-group's master and moments are neither read nor written (its gradient is)
     # (the two moments' files are read and written whole, 4 KiB-aligned; the masters' runs exactly)
     groups = sum(2 * round_up(4 * n) + 4 * n for n in res["sg_numel"][: res["groups"][0]])
-    assert zero["read"] - res["read"] == 2 * shard + groups, (zero, res)
+    # (the budget-0 run may also read one resident unit a third time: the store's read of
+    # "the unit that came next last time" guesses wrong once the step's publish drops it;
+    # Note [resident shards and shards kept from forward to backward])
+    extra = zero["read"] - res["read"] - (2 * shard + groups)
+    assert extra == 0 or extra in [res["sizes"][i] for i in res["resident"]], (zero, res)
     assert zero["write"] - res["write"] == written + groups, (zero, res)
     # a kept shard is not read in backward (and the units backward fetched last are still
     # kept at the next forward); the store's prefetch of "the unit that came next last
