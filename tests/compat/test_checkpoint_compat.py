@@ -137,9 +137,9 @@ def test_zero2_load_with_and_without_optimizer_states(tmp_path):
 
 
 def _partition_cache(empty_cache: bool) -> dict:
-    from meshspeed.zero import ZeroParamStatus
-
     from dataclasses import replace
+
+    from meshspeed.zero import ZeroParamStatus
 
     from meshspeed.testing.engines import TINY
 
