@@ -62,6 +62,7 @@ from meshspeed import comm
 from meshspeed.parallel.activation_checkpoint import checkpoint as _default_checkpoint
 from meshspeed.parallel.pipeline.partition import partition
 from meshspeed.parallel.pipeline.spec import LayerSpec, TiedLayerSpec
+from meshspeed.parallel.zero.external import register as register_external_parameter
 from meshspeed.topology.degrees import launch_hint, pipeline_stage
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "split_sequential"]
@@ -168,6 +169,12 @@ class PipelineModule(nn.Module):
                 self.tied_modules[layer.key] = layer.build()
                 self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
             module = self.tied_modules[layer.key]
+            if layer.forward_fn is not None:
+                # forward_fn reads the module's weights outside the module's own forward (the
+                # tied head's F.linear): under ZeRO stage 3 they must stay in the root unit,
+                # not in a unit of their module (Note [the root unit split] in zero/grouping.py)
+                for p in module.parameters():
+                    register_external_parameter(self, p)
             func = functools.partial(layer.forward_fn, module) if layer.forward_fn else module
             return func, type(module).__name__
         if isinstance(layer, LayerSpec):
