@@ -248,6 +248,8 @@ class OffloadPlacement(DevicePlacement):
     # -- the step -------------------------------------------------------------------------------
     def before_step(self, zero) -> None:
         self._settle(zero)
+        if self.master_files is not None:  # Note [returning the freed heap after each offloaded step]
+            release_free_heap()  # what backward freed, before the optimizer's transients
 
     def finish_step(self, zero) -> None:
         if self.runner is None:

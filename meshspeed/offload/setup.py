@@ -31,6 +31,7 @@ from meshspeed.offload.swapdir import check_nvme_path
 from meshspeed.planner.offload import WRITES_IN_FLIGHT
 from meshspeed.process.accelerator import get_accelerator
 from meshspeed.process.distributed import get_local_rank
+from meshspeed.process.malloc import OFFLOAD_MMAP_THRESHOLD, tune_host_allocator
 
 log = logging.getLogger("meshspeed")
 
@@ -138,6 +139,8 @@ def offload_placement(cfg) -> OffloadPlacement | None:
     if not offloads(cfg):
         return None
     oo, op = _devices(cfg)
+    if "nvme" in (oo, op):  # Note [a lower mmap threshold with state on NVMe]
+        tune_host_allocator(OFFLOAD_MMAP_THRESHOLD)
     o = cfg.zero_optimization.offload_optimizer
     return OffloadPlacement(device=get_device(), offload_optimizer=oo != "none",
                             offload_param=op, pin=_pin(cfg),

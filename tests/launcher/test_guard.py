@@ -65,6 +65,9 @@ def test_stdin_closing_stops_the_whole_tree(tmp_path):
 def test_the_command_status_is_passed_on_and_orphans_are_stopped(tmp_path):
     guard, worker = _guard(tmp_path, "7")
     try:
+        # stdin stays open until the guard has ended (communicate() would close it first,
+        # and a guard that sees its stdin close before the command exits stops the command)
+        guard.wait(timeout=60)
         guard.communicate(timeout=60)
     finally:
         guard.kill()
