@@ -26,6 +26,7 @@ from meshspeed.offload.optimizer import OffloadOptimizer
 from meshspeed.offload.param import HostShardStore, NvmeShardStore
 from meshspeed.offload.placement import OffloadPlacement
 from meshspeed.offload.residency import apply_residency, log_residency
+from meshspeed.offload.space import bytes_to_write, check_swap_space, planned_files
 from meshspeed.offload.state import HostStore, SwapStore
 from meshspeed.offload.swapdir import check_nvme_path
 from meshspeed.planner.offload import WRITES_IN_FLIGHT
@@ -273,9 +274,13 @@ def _swap_store(rule, sub_groups, cfg, placement):
                         thread_count=a.thread_count, single_submit=a.single_submit,
                         overlap_events=a.overlap_events)
     store = SwapStore(rule, sub_groups, swapdir.sub("optimizer"), engine,
-                      buffer_count=o.buffer_count, pin=placement.pin, preallocate=not o.fast_init,
+                      buffer_count=o.buffer_count, pin=placement.pin, preallocate=False,
                       masters=placement.master_files, grads=placement.grad_files,
                       resident_numel=getattr(placement, "residency", None) and placement.residency.optimizer_elements)
+    # Note [room for the files the first step writes] in space.py
+    _agree(check_swap_space(store.dir, bytes_to_write(planned_files(store)), f"{_OO}.nvme_path"))
+    if not o.fast_init:
+        store.preallocate()
     if getattr(placement, "residency", None) is not None:
         log_residency(placement.residency, store)
     store.owner = swapdir  # the directory lives as long as the store

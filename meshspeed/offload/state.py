@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import threading
 from collections import deque
 from collections.abc import Iterator, MutableMapping
@@ -293,13 +292,19 @@ class SwapStore:
         self._tail: list[tuple[IoRequest, torch.Tensor]] = []  # 16-bit publishes still in flight
         self._ahead: threading.Thread | None = None
         self._ahead_error: BaseException | None = None
-        self._check_space()
-        if preallocate:  # fail now, not mid-step, if the files cannot be created
-            with progress(len(sub_groups) * len(rule.state_keys), "NVMe swap files", unit="file") as bar:
-                for sg in sub_groups:
-                    for key in rule.state_keys if sg.index not in self.resident else ():
-                        _preallocate(self.path(sg, key), sg.nbytes)
-                        bar.update()
+        self.preallocated = False
+        if preallocate:
+            self.preallocate()
+
+    def preallocate(self) -> None:
+        """Create the moment files at their size now: a disk that cannot hold them fails
+        here, not mid-step (Note [room for the files the first step writes] in space.py)."""
+        with progress(len(self.sub_groups) * len(self.rule.state_keys), "NVMe swap files", unit="file") as bar:
+            for sg in self.sub_groups:
+                for key in self.rule.state_keys if sg.index not in self.resident else ():
+                    _preallocate(self.path(sg, key), sg.nbytes)
+                    bar.update()
+        self.preallocated = True
 
     def path(self, sg: SubGroup, key: str) -> str:
         return os.path.join(self.dir, f"sg{sg.index}.{key}.swp")
@@ -329,13 +334,6 @@ class SwapStore:
     def resident_summary(self) -> tuple[int, int]:
         """(sub-groups resident, their bytes)."""
         return len(self.resident), sum(b.nbytes for bufs in self.resident.values() for b in bufs.values())
-
-    def _check_space(self) -> None:
-        need = sum(sg.nbytes for sg in self.sub_groups) * len(self.rule.state_keys)
-        free = shutil.disk_usage(self.dir).free
-        if need > free:
-            raise ConfigError([(f"offload_optimizer.nvme_path: {self.dir} has {free / 2**30:.1f} GiB "
-                               f"free, optimizer state needs {need / 2**30:.1f} GiB on this rank")])
 
     # -- pipeline ---------------------------------------------------------------------------
     def prefetch(self, sg: SubGroup, block: bool = True) -> _Handle | None:
