@@ -107,8 +107,17 @@ def gpt_config(params: float, vocab: int, seq: int, d_model: int | None = None):
 
 
 def ds_config(args, nvme: str) -> dict:
-    if args.tutorial_config:  # the knobs unset: initialize chooses them (Note [defaults that fit])
-        return tutorial_config(args, nvme)
+    """Stage 3 with both offloads on nvme. With `--tutorial-config`, DeepSpeed's ZeRO-Infinity
+    tutorial config: no buffer setting, initialize chooses them from the model and
+    MemAvailable (Note [defaults that fit]); otherwise the command line's."""
+    zero = {"stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.optimizer_in_cpu)},
+            "offload_param": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.param_in_cpu)}}
+    if not args.tutorial_config:
+        zero.update(sub_group_size=args.sub_group_size, stage3_prefetch_bucket_size=args.prefetch,
+                    stage3_max_live_parameters=args.max_live)
+        zero["offload_optimizer"]["buffer_count"] = args.buffer_count
+        zero["offload_param"].update(buffer_count=args.param_buffer_count, buffer_size=args.param_buffer_size)
     return {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
@@ -116,33 +125,7 @@ def ds_config(args, nvme: str) -> dict:
         "bf16": {"enabled": True},
         "aio": {"thread_count": args.aio_threads, "queue_depth": 8},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
-        "zero_optimization": {
-            "stage": 3,
-            "sub_group_size": args.sub_group_size,
-            "stage3_prefetch_bucket_size": args.prefetch,
-            "stage3_max_live_parameters": args.max_live,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
-                                  "buffer_count": args.buffer_count, **_in_cpu(args.optimizer_in_cpu)},
-            "offload_param": {"device": "nvme", "nvme_path": nvme,
-                              "buffer_count": args.param_buffer_count,
-                              "buffer_size": args.param_buffer_size, **_in_cpu(args.param_in_cpu)},
-        },
-    }
-
-
-def tutorial_config(args, nvme: str) -> dict:
-    """DeepSpeed's ZeRO-Infinity tutorial config: stage 3, both offloads on nvme, no buffer
-    setting (meshspeed chooses them from the model and MemAvailable)."""
-    return {
-        "train_micro_batch_size_per_gpu": args.micro,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**6,
-        "bf16": {"enabled": True},
-        "aio": {"thread_count": args.aio_threads, "queue_depth": 8},
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 3,
-                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
-                              "offload_param": {"device": "nvme", "nvme_path": nvme}},
+        "zero_optimization": zero,
     }
 
 

@@ -55,6 +55,10 @@ class OffloadOptimizerConfig(_OffloadTarget):
     # stay in host memory with device "nvme" (offload_param.max_in_cpu's counterpart);
     # None: what MemAvailable leaves (Note [the residency budget] in offload/residency.py)
     max_in_cpu: NonNegInt | None = None
+    # meshspeed: with device "nvme", update each sub-group during the boundary backward as
+    # soon as its gradients are in their files, where the step would not change them first
+    # (Note [the update during the backward] in offload/optimizer.py); false: at step()
+    update_in_backward: bool = True
 
 
 class OffloadParamConfig(_OffloadTarget):

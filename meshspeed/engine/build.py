@@ -50,6 +50,7 @@ from meshspeed.offload import (
     check_host_memory,
     check_offload,
     choose_unset_knobs,
+    enable_update_in_backward,
     offload_optimizer,
     offload_placement,
 )
@@ -132,6 +133,8 @@ def build(model: nn.Module, config: Any = None, *, optimizer: Any = None, model_
     registry.attach_optimizer(strategy, opt)  # for safe_get_full_optimizer_state(param, key)
     scheduler = _scheduler(cfg, lr_scheduler, opt)
     compression = apply_compression(module, mesh, cfg)
+    if compression is None:  # (compression's step hooks edit weights around the step)
+        enable_update_in_backward(cfg, mesh, opt, placement, experts)
 
     loader = None
     if training_data is not None:

@@ -10,6 +10,8 @@ optimizer state in swap files on NVMe.
   tiers.py      device / host / nvme byte accounting for engine.memory_breakdown()
   setup.py      what meshspeed.initialize calls
   auto.py       ZeRO-Infinity's unset buffer settings, chosen (Note [defaults that fit])
+  residency.py  how much offloaded state stays in host memory (Note [the residency budget])
+  space.py      room on the swap disks for the files the first step writes
 See docs/offload.md.
 """
 
@@ -20,6 +22,7 @@ from meshspeed.offload.placement import OffloadPlacement
 from meshspeed.offload.setup import (
     check_host_memory,
     check_offload,
+    enable_update_in_backward,
     offload_optimizer,
     offload_placement,
 )
@@ -36,6 +39,7 @@ __all__ = [
     "check_offload",
     "choose_unset_knobs",
     "close",
+    "enable_update_in_backward",
     "flush",
     "offload_optimizer",
     "offload_placement",

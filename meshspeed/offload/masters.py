@@ -97,6 +97,15 @@ class MasterFiles:
     def holds(self, master: torch.Tensor) -> bool:
         return id(master) in self._where
 
+    def unit_index(self, master: torch.Tensor) -> int:
+        """The index of the unit whose file holds `master`."""
+        return self._where[id(master)][0]
+
+    def published_copy(self, master: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`values` cast to the dtype `publish` writes (the unit's): a copy that outlives the
+        buffer `values` views, rounded as `publish` would round it."""
+        return values.detach().to(self.units[self.unit_index(master)].dtype, copy=True)
+
     def keep_in_memory(self, masters: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         """From now on `views` (read from the files already) are these masters' values."""
         for m, v in zip(masters, views):
@@ -140,6 +149,12 @@ class MasterFiles:
                                  sum(b.nbytes for _, b in self._pending) > self.max_pending_bytes):
             request, _ = self._pending.pop(0)
             request.wait()
+
+    def hand_over_pending(self) -> list[tuple[IoRequest, torch.Tensor]]:
+        """The shard writes in flight, which the caller now waits for (Note [the step's I/O
+        outside the step] in state.py); this queue starts empty again."""
+        pending, self._pending = self._pending, []
+        return pending
 
     def drain(self) -> None:
         """Wait for the shard writes `publish` started (before the next gather reads them)."""

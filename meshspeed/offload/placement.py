@@ -81,6 +81,9 @@ class OffloadPlacement(DevicePlacement):
         self.grads_on_host: set[int] = set()  # units whose gradient already moved this step
         self.shard_store = None
         self.swap_dirs: dict[str, object] = {}  # nvme_path -> this rank's SwapDir there
+        # the optimizer's grads_landed(landed unit indices), when it updates during the
+        # backward (Note [the update during the backward] in optimizer.py)
+        self.on_grads_landed = None
 
     def unit_built(self, zero, unit) -> None:
         """One unit is built: its masters go to their buffer or file and its stage-3 shard
@@ -177,6 +180,8 @@ class OffloadPlacement(DevicePlacement):
         if self._grads_to_file(unit):
             self.grad_files.land(unit)  # Note [gradients in their NVMe slot] in grad_files.py
             unit.grad_written()
+            if self.on_grads_landed is not None:  # Note [the update during the backward]
+                self.on_grads_landed(self.grad_files.landed)
             return
         if self.runner is None and self._move_grad_shard(unit):
             # the host copy is what the step reads: the 16-bit shard is not kept across

@@ -32,7 +32,6 @@ from meshspeed.offload.swapdir import check_nvme_path
 from meshspeed.planner.offload import WRITES_IN_FLIGHT
 from meshspeed.process.accelerator import get_accelerator
 from meshspeed.process.distributed import get_local_rank
-from meshspeed.process.malloc import OFFLOAD_MMAP_THRESHOLD, tune_host_allocator
 
 log = logging.getLogger("meshspeed")
 
@@ -140,8 +139,6 @@ def offload_placement(cfg) -> OffloadPlacement | None:
     if not offloads(cfg):
         return None
     oo, op = _devices(cfg)
-    if "nvme" in (oo, op):  # Note [a lower mmap threshold with state on NVMe]
-        tune_host_allocator(OFFLOAD_MMAP_THRESHOLD)
     o = cfg.zero_optimization.offload_optimizer
     return OffloadPlacement(device=get_device(), offload_optimizer=oo != "none",
                             offload_param=op, pin=_pin(cfg),
@@ -251,6 +248,39 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, cfg, placement: OffloadP
 
     return OffloadOptimizer(optimizer, rule, make_store, sub_group_size=z.sub_group_size,
                             runner=placement.runner)
+
+
+def update_in_backward_allowed(cfg, mesh, optimizer, placement, experts) -> str | None:
+    """Why the update cannot run during the backward (Note [the update during the
+    backward] in optimizer.py), or None when it can: only what the gradient files hold may
+    decide a sub-group's update, so nothing in `step()` may change the gradients first."""
+    z = cfg.zero_optimization
+    o = z.offload_optimizer
+    if not isinstance(optimizer, OffloadOptimizer) or placement is None or placement.grad_files is None:
+        return "the gradients are not in files"
+    reasons = [(not o.update_in_backward, "offload_optimizer.update_in_backward is false"),
+               (z.stage != 3, "it is built for stage 3"),
+               (cfg.gradient_clipping > 0, "gradient_clipping needs the global norm first"),
+               (cfg.fp16.enabled, "fp16 unscales and checks for overflow first"),
+               (cfg.check_finite, "check_finite checks every gradient first"),
+               (o.ratio < 1.0, "offload_optimizer.ratio < 1 splits the step"),
+               (mesh.size("pp") > 1 or mesh.size("tp") > 1, "pipeline and tensor parallelism edit gradients first"),
+               (experts is not None, "expert parallelism")]
+    return next((why for bad, why in reasons if bad), None)
+
+
+def enable_update_in_backward(cfg, mesh, optimizer, placement, experts) -> bool:
+    """Turn the update during the backward on where it is allowed; logs why not on rank 0
+    when the user asked for NVMe and it stays off for a reason of the config."""
+    why = update_in_backward_allowed(cfg, mesh, optimizer, placement, experts)
+    if why is not None:
+        if placement is not None and placement.grad_files is not None and \
+                cfg.zero_optimization.offload_optimizer.update_in_backward:
+            log.info("ZeRO-Infinity: the optimizer updates after the backward, not during it: %s", why)
+        return False
+    optimizer.update_in_backward(placement.master_files)
+    placement.on_grads_landed = optimizer.grads_landed
+    return True
 
 
 def _rule(optimizer: torch.optim.Optimizer):

@@ -292,6 +292,7 @@ class SwapStore:
         self._tail: list[tuple[IoRequest, torch.Tensor]] = []  # 16-bit publishes still in flight
         self._ahead: threading.Thread | None = None
         self._ahead_error: BaseException | None = None
+        self.defer_publish = None  # (master, 16-bit copy) -> None, while the backward runs
         self.preallocated = False
         if preallocate:
             self.preallocate()
@@ -386,8 +387,7 @@ class SwapStore:
         the next step as the writes free the pool."""
         self._join()
         if self.masters is not None:  # the publishes in flight become this store's to finish
-            self._tail += self.masters._pending
-            self.masters._pending = []
+            self._tail += self.masters.hand_over_pending()
         self._ahead = threading.Thread(target=self._read_ahead, args=(list(sub_groups),),
                                        name="meshspeed-offload-read-ahead", daemon=True)
         self._ahead.start()
@@ -495,10 +495,7 @@ class SwapStore:
                   for key, buf in handle.buffers.items()]
         buffers = list(handle.buffers.values())
         if handle.master is not None:
-            views = _views(handle.master, sg)
-            for p, v, take in zip(sg.params, views, stepped or [True] * len(sg.params)):
-                if take and self.masters.holds(p):
-                    self.masters.publish(p, v)  # the 16-bit shard follows the updated master
+            self._publish(handle, stepped)  # the 16-bit shard follows the updated master
             writes += self.masters.write_runs(self.runs[sg.index], handle.master)
             buffers.append(handle.master)
         if handle.grad is not None:
@@ -509,13 +506,22 @@ class SwapStore:
     def _release_resident(self, handle: _Handle, stepped) -> None:
         sg = handle.sg
         if handle.master is not None:
-            views = _views(handle.master, sg)
-            for p, v, take in zip(sg.params, views, stepped or [True] * len(sg.params)):
-                if take and self.masters.holds(p):
-                    self.masters.publish(p, v)
+            self._publish(handle, stepped)
         if handle.grad is not None:
             self.pool.give_back([handle.grad])
         self.written.add(sg.index)
+
+    def _publish(self, handle: _Handle, stepped) -> None:
+        """The updated masters' 16-bit values -> their units' shards; during the backward
+        (`defer_publish` set) handed to the thread that runs the backward instead, as
+        copies (Note [the update during the backward] in optimizer.py)."""
+        sg = handle.sg
+        for p, v, take in zip(sg.params, _views(handle.master, sg), stepped or [True] * len(sg.params)):
+            if take and self.masters.holds(p):
+                if self.defer_publish is not None:
+                    self.defer_publish(p, self.masters.published_copy(p, v))
+                else:
+                    self.masters.publish(p, v)
 
     def drain(self) -> None:
         """Every read and write of this store has completed (read-ahead dropped)."""

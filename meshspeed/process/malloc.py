@@ -31,46 +31,36 @@ import sys
 # offloaded steps give it back explicitly (Note [returning the freed heap after each
 # offloaded step]).
 #
-# Note [a lower mmap threshold with state on NVMe]
-# With the model state in swap files, host memory is the budget the run is sized by, and
-# blocks of 1-4 MiB (a layer's 16-bit gradients and shards of mid-sized models, the
-# copies held by writes in flight, the read-ahead's and the writes' timing deciding which
-# of them outlive which) fragment the heap: measured on tests/offload/test_infinity.py's
-# capped GPT (d_model 512, 2 MiB matrices), the peak RSS growth of one rank ranged over
-# 226-426 MiB from run to run, the main heap holding up to 381 MiB free; with the
-# threshold at 1 MiB it was 194-195 MiB in every run. A 1 MiB block costs 256 page faults
-# per allocation, microseconds next to a step bound by the disk, so initialize lowers the
-# threshold to OFFLOAD_MMAP_THRESHOLD when either offload goes to NVMe.
+# A lower threshold trades speed for a steadier peak. Measured with everything on NVMe:
+# at 1 MiB, the capped GPT of tests/offload/test_infinity.py (d_model 512, 2 MiB
+# matrices) peaked at 194-195 MiB above its start in every run, against 226-426 MiB at
+# 4 MiB (its main heap holding up to 381 MiB free); but forward + backward of the 0.3B
+# GPT (benchmarks/infinity.py --tutorial-config) took 6.1-6.3 s against 4.9-5.4 s, and
+# the 2B step's forward + backward 40-48 s against 26-32 s: the activations above 1 MiB
+# are then page-faulted in every step. The default stays at 4 MiB; that test sets 1 MiB.
 DEFAULT_MMAP_THRESHOLD = 4 << 20
-OFFLOAD_MMAP_THRESHOLD = 1 << 20
 DEFAULT_TRIM_THRESHOLD = 128 << 20
 _M_MMAP_THRESHOLD = -3
 _M_TRIM_THRESHOLD = -1
-_tuned = 0  # the mmap threshold set, 0 before the first call
+_tuned = False
 
 
-def tune_host_allocator(threshold: int = DEFAULT_MMAP_THRESHOLD) -> int:
-    """Fix glibc's mmap and trim thresholds (Note [a fixed mmap threshold for CPU
-    training]) at `threshold`, or lower a threshold set before to it (never raise it);
-    MESHSPEED_MMAP_THRESHOLD, where set, wins. Returns the mmap threshold in effect, or 0
-    when left alone."""
+def tune_host_allocator() -> int:
+    """Fix glibc's mmap and trim thresholds once per process (Note [a fixed mmap threshold
+    for CPU training]); returns the mmap threshold set, or 0 when left alone."""
     global _tuned
-    threshold = int(os.environ.get("MESHSPEED_MMAP_THRESHOLD", threshold))
-    if threshold <= 0 or not sys.platform.startswith("linux"):
+    threshold = int(os.environ.get("MESHSPEED_MMAP_THRESHOLD", DEFAULT_MMAP_THRESHOLD))
+    if _tuned or threshold <= 0 or not sys.platform.startswith("linux"):
         return 0
-    if _tuned and _tuned <= threshold:
-        return _tuned
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return 0
-    if not libc.mallopt(_M_MMAP_THRESHOLD, threshold):
-        return _tuned
+    _tuned = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
     trim = int(os.environ.get("MESHSPEED_TRIM_THRESHOLD", DEFAULT_TRIM_THRESHOLD))
-    if not _tuned and trim > 0:
+    if _tuned and trim > 0:
         libc.mallopt(_M_TRIM_THRESHOLD, trim)
-    _tuned = threshold
-    return threshold
+    return threshold if _tuned else 0
 
 
 # Note [returning the freed heap after each offloaded step]

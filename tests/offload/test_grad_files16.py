@@ -11,12 +11,18 @@ import pytest
 import torch
 
 from meshspeed.offload import close, grad_files
-from meshspeed.offload.aio import SwapEngine, io_totals
+from meshspeed.offload.aio import SwapEngine
 from meshspeed.offload.grad_files import GradFiles, _widen
 from meshspeed.offload.hostmem import ALIGN, host_empty
 from meshspeed.testing import run_distributed
-from meshspeed.testing.parity import full_state_dict, make_batches
-from tests.offload.workers import _engine, _train_batches, exact_adamw, setup, skipped_run
+from meshspeed.testing.parity import full_state_dict
+from tests.offload.workers import (
+    _engine,
+    exact_adamw,
+    setup,
+    skipped_run,
+    train_counting_last_step,
+)
 
 # a model whose step moves some MiB (the 4 KiB file alignment is then a small part of it)
 MODEL = {"vocab_size": 512, "d_model": 64}
@@ -58,15 +64,8 @@ def _grad_io(s, wide: bool) -> dict:
         grad_files.file_dtype = lambda unit: torch.float32
     try:
         engine = _engine(s)
-        batches = make_batches(s)
-        losses = _train_batches(engine, s, batches[:-1])
-        engine.optimizer.settle()  # a step's write-back and read-ahead run after it returns
-        before = io_totals()
-        losses += _train_batches(engine, s, batches[-1:])
-        engine.optimizer.settle()
-        after = io_totals()
-        out = {"read": after["read"] - before["read"], "write": after["write"] - before["write"],
-               "owned": sum(sl.end - sl.start for sl in engine.strategy.owned_slices()),
+        losses, moved = train_counting_last_step(engine, s)
+        out = {**moved, "owned": sum(sl.end - sl.start for sl in engine.strategy.owned_slices()),
                "units": len(engine.strategy.units), "losses": losses, "state": full_state_dict(engine)}
         close(engine)
     finally:

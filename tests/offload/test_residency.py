@@ -19,7 +19,14 @@ from meshspeed.offload.residency import (
 from meshspeed.planner.fit import INTERPRETER
 from meshspeed.testing import run_distributed
 from meshspeed.testing.parity import full_state_dict, make_batches
-from tests.offload.workers import _engine, _train_batches, exact_adamw, offload, setup
+from tests.offload.workers import (
+    _engine,
+    _train_batches,
+    exact_adamw,
+    offload,
+    setup,
+    train_counting_last_step,
+)
 
 
 def test_budget_is_the_share_above_the_peak_less_headroom():
@@ -122,16 +129,9 @@ def _run(s, keep_units):
     sizes = [round_up(n * 2) for n in store.numel]
     if keep_units:  # room for k block units (the embedding's and head's, larger, are not kept)
         store.keep(keep_units * max(n for n in sizes if n < max(sizes)))
-    batches = make_batches(s)
-    losses = _train_batches(engine, s, batches[:-1])
-    engine.optimizer.settle()  # a step's write-back and read-ahead run after it returns
-    before = io_totals()
-    losses += _train_batches(engine, s, batches[-1:])
-    engine.optimizer.settle()
-    after = io_totals()
+    losses, moved = train_counting_last_step(engine, s)
     opt = engine.optimizer.store
-    out = {"losses": losses, "params": full_state_dict(engine), "read": after["read"] - before["read"],
-           "write": after["write"] - before["write"], "resident": sorted(store._resident),
+    out = {"losses": losses, "params": full_state_dict(engine), **moved, "resident": sorted(store._resident),
            "numel": list(store.numel), "sizes": sizes, "groups": opt.resident_summary(),
            "sg_numel": [sg.numel for sg in opt.sub_groups], "kept": sorted(store._kept)}
     from meshspeed.offload import close

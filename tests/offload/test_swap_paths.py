@@ -17,7 +17,7 @@ from meshspeed.offload.swapdir import check_nvme_path, rank_path
 from meshspeed.testing import run_distributed
 from meshspeed.testing.parity import ParitySetup
 from tests.offload import infinity_workers
-from tests.offload.workers import exact_adamw
+from tests.offload.workers import exact_adamw, train_counting_last_step
 
 # big enough that a rank's half of each swap file is far above the 4 KiB direct-I/O alignment
 MODEL = {"vocab_size": 256, "d_model": 64, "n_layer": 2, "n_head": 2}
@@ -53,20 +53,13 @@ def _setup(nvme) -> ParitySetup:
 def step_bytes(s: ParitySetup) -> dict:
     """Train the setup; the swap bytes of the last step and the files of this rank."""
     from meshspeed.offload import close
-    from meshspeed.offload.aio import io_totals
-    from meshspeed.testing.parity import train_steps
 
     engine = infinity_workers.build_engine(s)
-    train_steps(engine, s, 0, s.steps - 1)
-    engine.optimizer.settle()  # a step's write-back and read-ahead run after it returns
-    before = io_totals()
-    train_steps(engine, s, s.steps - 1)
-    engine.optimizer.settle()
-    after = io_totals()
+    _, moved = train_counting_last_step(engine, s)
     dirs = sorted(d.path for d in engine.strategy.placement.swap_dirs.values())
     files = {d: sum(infinity_workers.tree(d).values()) for d in dirs}
     close(engine)
-    return {"read": after["read"] - before["read"], "write": after["write"] - before["write"], "files": files}
+    return {**moved, "files": files}
 
 
 def test_two_ranks_two_disks_halve_each_disks_bytes(tmp_path):

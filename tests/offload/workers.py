@@ -309,19 +309,26 @@ def checkpoint_heap_peak(s: ParitySetup, save_dir: str) -> dict:
             "params_equal": all(torch.equal(final[k], final_again[k]) for k in final)}
 
 
-def io_per_step(s: ParitySetup) -> dict:
-    """Bytes this rank's swap engines read and wrote in its last step, and what it owns."""
+def train_counting_last_step(engine, s: ParitySetup) -> tuple[list[float], dict[str, int]]:
+    """Train the setup's batches; the losses, and the bytes this rank's swap engines read
+    and wrote in the last step alone (a step's write-back and the next step's read-ahead
+    run after it returns: `settle` on both sides of the step)."""
     from meshspeed.offload.aio import io_totals
 
-    engine = _engine(s)
     batches = make_batches(s)
-    _train_batches(engine, s, batches[:-1])
-    engine.optimizer.settle()  # a step's reads of the next step run after it returns
+    losses = _train_batches(engine, s, batches[:-1])
+    engine.optimizer.settle()
     before = io_totals()
-    _train_batches(engine, s, batches[-1:])
+    losses += _train_batches(engine, s, batches[-1:])
     engine.optimizer.settle()
     after = io_totals()
+    return losses, {k: after[k] - before[k] for k in ("read", "write")}
+
+
+def io_per_step(s: ParitySetup) -> dict:
+    """Bytes this rank's swap engines read and wrote in its last step, and what it owns."""
+    engine = _engine(s)
+    _, moved = train_counting_last_step(engine, s)
     owned = sum(sl.end - sl.start for sl in engine.strategy.owned_slices())
     close(engine)
-    return {"read": after["read"] - before["read"], "write": after["write"] - before["write"],
-            "owned": owned}
+    return {**moved, "owned": owned}

@@ -1,0 +1,131 @@
+"""The update during the backward (Note [the update during the backward] in
+meshspeed/offload/optimizer.py): with the masters and gradients in files and a step that
+leaves the gradients as they are, each sub-group is updated on a background thread as
+soon as its gradients are in their files.
+
+- bit for bit the run that updates at step() (`update_in_backward: false`) and the run
+  without offload (torch's reference AdamW kernel), bf16 and fp32, world 1 and 2, with
+  gradient accumulation, while most sub-groups really are updated during the backward;
+- off where the step changes gradients first (clipping, fp16), saying why on rank 0;
+- hyperparameters changed between backward() and step() are an error, not a silent mix.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from meshspeed.offload import close
+from meshspeed.testing import run_distributed
+from meshspeed.testing.parity import ParitySetup, full_state_dict, make_batches
+from tests.offload.workers import _engine, _train_batches, exact_adamw
+
+MODEL = {"vocab_size": 256, "d_model": 64, "n_layer": 3, "n_head": 2}
+
+
+def _setup(nvme: str, *, precision: str = "bf16", world: int = 2, on: bool | None = True,
+           offload: bool = True, extra: dict | None = None) -> ParitySetup:
+    zero = {"stage": 3, "sub_group_size": 20_000, "stage3_param_persistence_threshold": 0}
+    if offload:
+        oo = {"device": "nvme", "nvme_path": nvme, "buffer_count": 8}
+        if on is not None:
+            oo["update_in_backward"] = on
+        zero.update(offload_optimizer=oo,
+                    offload_param={"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
+                                   "buffer_size": 1 << 14})
+    extra = dict(extra or {})
+    clip = extra.pop("gradient_clipping", 0.0)  # (the parity setup's default is 1.0)
+    return ParitySetup(stage=3, precision=precision, model=MODEL, world=world, steps=3, gas=2, clip=clip,
+                       extra_config={**exact_adamw(), **extra, "zero_optimization": zero})
+
+
+def trained(s: ParitySetup) -> dict:
+    engine = _engine(s)
+    losses = _train_batches(engine, s, make_batches(s))
+    opt = engine.optimizer
+    out = {"losses": losses, "params": full_state_dict(engine),
+           "early": getattr(opt, "updated_in_backward", 0),
+           "sub_groups": len(getattr(opt, "sub_groups", ())) * s.steps}
+    close(engine)
+    return out
+
+
+def trained_all(setups: list[ParitySetup]) -> list[dict]:
+    return [trained(s) for s in setups]
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+    differ = [k for k in a["params"] if not torch.equal(a["params"][k], b["params"][k])]
+    assert not differ, differ
+
+
+@pytest.mark.parametrize("precision,world", [("bf16", 2), ("fp32", 1)])
+def test_equal_to_the_update_at_step_and_to_no_offload(tmp_path, precision, world):
+    setups = [_setup(str(tmp_path), precision=precision, world=world, on=on) for on in (None, False)]
+    setups.append(_setup(str(tmp_path), precision=precision, world=world, offload=False))
+    during, at_step, plain = run_distributed(trained_all, world_size=world, args=(setups,), timeout=300)[0]
+    # the default is on: most sub-groups go during the backward (those of the units whose
+    # gradients land last, the embedding's, wait for step())
+    assert during["early"] >= 0.5 * during["sub_groups"], (during["early"], during["sub_groups"])
+    assert at_step["early"] == 0
+    _equal(during, at_step)
+    _equal(during, plain)
+
+
+def off_and_why(s: ParitySetup, caplog_level=logging.INFO) -> tuple[int, list[str]]:
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep(level=caplog_level)
+    logger = logging.getLogger("meshspeed")
+    level = logger.level
+    logger.setLevel(caplog_level)  # (a handler of the script's own: meshspeed then keeps its level)
+    logger.addHandler(handler)
+    try:
+        out = trained(s)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return out["early"], [m for m in records if "updates after the backward" in m]
+
+
+@pytest.mark.parametrize("extra,precision,why", [
+    ({"gradient_clipping": 1.0}, "bf16", "gradient_clipping needs the global norm first"),
+    ({}, "fp16", "fp16 unscales and checks for overflow first"),
+])
+def test_off_where_the_step_changes_gradients_and_says_why(tmp_path, extra, precision, why):
+    s = _setup(str(tmp_path), precision=precision, world=1, extra=extra)
+    early, said = run_distributed(off_and_why, world_size=1, args=(s,), timeout=300)[0]
+    assert early == 0
+    assert len(said) == 1 and why in said[0], said
+
+
+def lr_changed_after_backward(s: ParitySetup) -> str:
+    engine = _engine(s)
+    batch = make_batches(s)[0]
+    try:
+        for i, micro in enumerate(batch):
+            tokens = micro[: s.micro]
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            if i == len(batch) - 1:  # the boundary: sub-groups were updated during it
+                for g in engine.optimizer.param_groups:
+                    g["lr"] = g["lr"] / 2
+            engine.step()
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        close(engine)
+    return "no error"
+
+
+def test_hyperparameters_changed_between_backward_and_step_are_an_error(tmp_path):
+    err = run_distributed(lr_changed_after_backward, world_size=1, args=(_setup(str(tmp_path), world=1),),
+                          timeout=300)[0]
+    assert "changed between backward() and step()" in err and "update_in_backward" in err, err
