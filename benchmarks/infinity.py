@@ -111,7 +111,8 @@ def ds_config(args, nvme: str) -> dict:
     tutorial config: no buffer setting, initialize chooses them from the model and
     MemAvailable (Note [defaults that fit]); otherwise the command line's."""
     zero = {"stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.optimizer_in_cpu)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.optimizer_in_cpu),
+                                  **({} if args.update_in_backward else {"update_in_backward": False})},
             "offload_param": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.param_in_cpu)}}
     if not args.tutorial_config:
         zero.update(sub_group_size=args.sub_group_size, stage3_prefetch_bucket_size=args.prefetch,
@@ -371,6 +372,8 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-live", type=int, default=1_000_000_000)
     ap.add_argument("--param-in-cpu", type=float, default=None, help="offload_param.max_in_cpu (unset: from MemAvailable)")
     ap.add_argument("--optimizer-in-cpu", type=float, default=None, help="offload_optimizer.max_in_cpu")
+    ap.add_argument("--no-update-in-backward", dest="update_in_backward", action="store_false",
+                    help="offload_optimizer.update_in_backward: false (the update waits for step())")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count")
     ap.add_argument("--sample-ms", type=float, default=20)
