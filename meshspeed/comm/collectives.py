@@ -101,18 +101,19 @@ def _timeout_error(op: str, group: Any, seq: int, site: str, err: Exception) -> 
         kind, says = CommTimeoutError, (
             f"{where} did not complete within the timeout: another rank of the group is not in "
             f"this collective (stuck, or issued a different sequence of collectives"
-            f"{'' if debug.enabled() else '; rerun with MESHSPEED_COMM_DEBUG=1 to compare them'}). "
-            f"{type(err).__name__}: {first}")
+            f"{'' if debug.enabled() else '; rerun with MESHSPEED_COMM_DEBUG=1 to compare them'}).")
     elif "connection closed by peer" in lowered or "connection reset by peer" in lowered:
         peer = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
         who = f" ({registry.describe_address(peer.group(1), peer.group(2))})" if peer else ""
         kind, says = PeerLostError, (
             f"{where} failed: a peer{who} closed its connection; it died or exited, see its "
-            f"own error above. {type(err).__name__}: {first}")
+            f"own error above.")
     else:
         return None
     roll = rollcall.report(op, ranks, seq, site)  # Note [roll call]
-    return kind(says + ("\n" + roll if roll else ""))
+    # the roll call before the backend's own words: a launcher that keeps one line of the
+    # cause (meshspeed run: launcher/failures.one_line) keeps who is missing
+    return kind(says + ("\n" + roll if roll else "") + f"\n{type(err).__name__}: {first}")
 
 
 class _TimedWork:
