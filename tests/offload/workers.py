@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import threading
 
 import torch
 
@@ -43,8 +44,15 @@ def exact_adamw() -> dict:
 
 
 def runs_and_cleanup(setups: list[ParitySetup]) -> list:
-    """engine_run for each setup; collects engines so swap directories are removed."""
+    """engine_run for each setup; collects engines so swap directories are removed. A
+    read-ahead thread still reading (Note [the step's I/O outside the step] in
+    meshspeed/offload/state.py) holds its store, and the store its directory, until its
+    reads complete: join those threads first."""
     out = [engine_run(s) for s in setups]
+    gc.collect()
+    for thread in threading.enumerate():
+        if thread.name == "meshspeed-offload-read-ahead":
+            thread.join()
     gc.collect()
     return out
 
