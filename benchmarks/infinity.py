@@ -14,9 +14,11 @@ under `meshspeed.zero.Init` in bf16, ZeRO stage 3 with `offload_optimizer` and
 - `engine.memory_breakdown()` (categories and tiers) after the last step;
 - bytes of the swap files on disk (walked, not asked of the strategy);
 - loss and time per step;
-- of the last step, the fraction of the step, and of its forward+backward and optimizer
-  phases, during which a swap request was in flight (the disk had work), and the bytes
-  that went direct and through the page cache, with which files and why (`disk`).
+- at steady state (the mean over the steps after the first: a step's updates may run on
+  into the next forward), the bytes per step, the fraction of the step, and of its
+  forward+backward and optimizer phases, during which a swap request was in flight (the
+  disk had work), and the bytes that went direct and through the page cache, with which
+  files and why (`disk`).
 
 Bytes per parameter = peak RSS / parameters, with the RSS of the interpreter and torch
 before the build subtracted (`rss_start`). The issue-18 target is a peak that depends
@@ -112,7 +114,8 @@ def ds_config(args, nvme: str) -> dict:
     MemAvailable (Note [defaults that fit]); otherwise the command line's."""
     zero = {"stage": 3,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.optimizer_in_cpu),
-                                  **({} if args.update_in_backward else {"update_in_backward": False})},
+                                  **({} if args.update_in_backward else {"update_in_backward": False}),
+                                  **({} if args.update_into_forward else {"update_into_forward": False})},
             "offload_param": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.param_in_cpu)}}
     if not args.tutorial_config:
         zero.update(sub_group_size=args.sub_group_size, stage3_prefetch_bucket_size=args.prefetch,
@@ -203,14 +206,24 @@ def _step(engine, x, y, sampler, name: str) -> tuple[float, float, dict]:
     return float(mean) / comm.get_world_size(), dt, moved
 
 
+def steady(r: dict) -> tuple[dict, float]:
+    """A rank's swap counters and seconds per step at steady state: the mean over the steps
+    after the first. (A step's updates may run on into the next forward, Note [the update
+    that runs into the next forward] in meshspeed/offload/optimizer.py, so one step's
+    counters hold part of the last one's work and leave part of their own to the next.)"""
+    ios, times = r["io_bytes"][1:] or r["io_bytes"], r["step_s"][1:] or r["step_s"]
+    return {k: sum(io[k] for io in ios) / len(ios) for k in ios[0]}, sum(times) / len(times)
+
+
 def disk_report(ranks: list[dict]) -> dict:
-    """Of the last step, per rank: the disk-busy fraction of the step and of each phase
-    (a request of this process in flight), and the bytes that went direct and through the
-    page cache, with which files and why (Note [O_DIRECT where it fits] in aio.py)."""
+    """At steady state (`steady`), per rank: the disk-busy fraction of the step and of
+    each phase (a request of this process in flight), and the bytes that went direct and
+    through the page cache, with which files and why (Note [O_DIRECT where it fits] in
+    aio.py)."""
     out: dict = {"busy_fraction_per_rank": [], "fwd_bwd_busy_fraction_per_rank": [],
                  "optimizer_busy_fraction_per_rank": [], "direct_gb": 0.0, "buffered_gb": 0.0}
     for r in ranks:
-        io, step = r["io_bytes"][-1], r["step_s"][-1]
+        io, step = steady(r)
         out["busy_fraction_per_rank"].append(round(io["busy_s"] / step, 2))
         for phase in ("fwd_bwd", "optimizer"):
             frac = io[f"{phase}.busy_s"] / max(io[f"{phase}.s"], 1e-9)
@@ -374,6 +387,8 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--optimizer-in-cpu", type=float, default=None, help="offload_optimizer.max_in_cpu")
     ap.add_argument("--no-update-in-backward", dest="update_in_backward", action="store_false",
                     help="offload_optimizer.update_in_backward: false (the update waits for step())")
+    ap.add_argument("--no-update-into-forward", dest="update_into_forward", action="store_false",
+                    help="offload_optimizer.update_into_forward: false (step() waits for the updates)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count")
     ap.add_argument("--sample-ms", type=float, default=20)
@@ -420,9 +435,10 @@ def main() -> None:
     # the disk and the cores are shared by every rank: the step's I/O bound is all ranks'
     # bytes over one disk's O_DIRECT bandwidth (disk_bandwidth: aligned requests, direct), its compute bound 6 * params * all ranks' tokens over
     # the machine's bf16 matmul peak (measured with --threads threads: every core here)
-    busy = [r["io_bytes"][-1]["busy_s"] / r["step_s"][-1] for r in ranks]  # disk had work
-    reads = sum(r["io_bytes"][-1]["read"] for r in ranks)
-    writes = sum(r["io_bytes"][-1]["write"] for r in ranks)
+    per_step = [steady(r) for r in ranks]
+    busy = [io["busy_s"] / t for io, t in per_step]  # disk had work
+    reads = sum(io["read"] for io, _ in per_step)
+    writes = sum(io["write"] for io, _ in per_step)
     io_bound = reads / bw_read + writes / bw_write
     compute_bound = 6 * out["params"] * tokens / flops
     step = sorted(out["step_s"][1:] or out["step_s"])[len(out["step_s"][1:] or out["step_s"]) // 2]
@@ -434,8 +450,8 @@ def main() -> None:
         "swap_gib_per_rank": [round(r["swap_bytes"] / gib, 2) for r in ranks],
         "step_s": out["step_s"], "median_step_s": step,
         "io_gb_per_step": {"read": reads / 1e9, "write": writes / 1e9},
-        "io_gb_per_step_per_rank": [{k: round(r["io_bytes"][-1][k] / 1e9, 3) for k in ("read", "write")}
-                                    for r in ranks],  # with --nvme-path A,B: rank r's on path r
+        "io_gb_per_step_per_rank": [{k: round(io[k] / 1e9, 3) for k in ("read", "write")}
+                                    for io, _ in per_step],  # with --nvme-path A,B: rank r's on path r
         "disk_busy_fraction_per_rank": [round(b, 2) for b in busy],
         "disk": disk_report(ranks),
         "disk_gbs": {"read": bw_read / 1e9, "write": bw_write / 1e9},

@@ -59,6 +59,10 @@ class OffloadOptimizerConfig(_OffloadTarget):
     # soon as its gradients are in their files, where the step would not change them first
     # (Note [the update during the backward] in offload/optimizer.py); false: at step()
     update_in_backward: bool = True
+    # with update_in_backward: step() returns with the updates not done yet still running,
+    # and the next forward waits for each unit's before gathering it (Note [the update that
+    # runs into the next forward] in offload/optimizer.py); false: step() waits for them all
+    update_into_forward: bool = True
 
 
 class OffloadParamConfig(_OffloadTarget):

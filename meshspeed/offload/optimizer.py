@@ -41,18 +41,38 @@ bit-identical to the update at `step()`:
 `step()` waits for the background updates, updates the sub-groups left (those of units
 that landed last, and any without a file) and ends the step as before. Anything that
 reads optimizer state or masters waits for the background updates first (`wait`).
+
+Note [the update that runs into the next forward]
+With the update during the backward, what the backward leaves undone is the update of the
+units whose gradients land last, the first units of the model; step() used to wait for it
+while the disk had nothing else to do, and the next forward then read only the shards, a
+fraction of what the disk could move meanwhile (at 2B: 39% busy in the forward). With
+`update_into_forward` (the default), step() queues the sub-groups not updated yet in the
+order the next forward gathers their units (the first unit's first), and returns. Before
+a unit's shard is read for a gather, `before_gather` waits for the updates of the unit's
+sub-groups and writes their 16-bit publishes (the forward's thread owns the shard store, as
+the backward's does at each landing); a prefetch does not wait, it stops at a unit not
+ready yet. So the forward of unit k overlaps the update of unit k+1, and the result is
+bit-identical: every gather reads the updated shard, as it did after step(). The step's
+end (the store's write-back hand-over and the next step's read-ahead) runs when the last
+update is done, on the thread that finds it done. Anything that reads masters, optimizer
+state or gradient files waits for all of it first (`finish_carried`: the placement's
+`wait`, and before a gradient lands again), and the hyperparameters are those of step(),
+as for the updates during the backward. Off (`update_into_forward: false`), or when a
+sub-group has a gradient outside the files, step() waits for all the updates as before.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict, deque
+import time
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
 
+from meshspeed.offload.background import UPDATE_BYTES, Handoff, Pace, SerialRunner
 from meshspeed.offload.state import SubGroup, split_sub_groups
 from meshspeed.parallel.protocol import Closeable
 
@@ -89,67 +109,6 @@ class BackgroundStep:
             self._pool.shutdown(wait=True)
 
 
-class SerialRunner:
-    """One background thread that runs what is submitted in order, without waiting for
-    what runs before (Note [the update during the backward]); `wait` joins all of it."""
-
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshspeed-offload-early")
-        self._futures: list[Future] = []
-
-    def submit(self, fn, *args) -> None:
-        self._futures.append(self._pool.submit(fn, *args))
-
-    def wait(self, between=None) -> None:
-        """Join everything submitted, re-raising the first error; `between()` runs every
-        50 ms meanwhile (the publishes the background thread hands over)."""
-        futures, self._futures = self._futures, []
-        for f in futures:
-            while True:
-                try:
-                    f.result(timeout=0.05)
-                    break
-                except FutureTimeout:
-                    if between is not None:
-                        between()
-
-    def close(self, between=None) -> None:
-        try:
-            self.wait(between)
-        finally:
-            self._pool.shutdown(wait=True)
-
-
-class Handoff:
-    """(master, 16-bit values) from the background update to the backward's thread, which
-    publishes them (Note [the update during the backward]); at most `limit` bytes wait,
-    beyond one item: the background thread waits for the next `drain`."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._items: deque = deque()
-        self._bytes = 0
-        self._cv = threading.Condition()
-
-    def put(self, master: torch.Tensor, values: torch.Tensor) -> None:
-        with self._cv:
-            while self._items and self._bytes + values.nbytes > self.limit:
-                self._cv.wait()
-            self._items.append((master, values))
-            self._bytes += values.nbytes
-
-    def drain(self, publish) -> None:
-        while True:
-            with self._cv:
-                if not self._items:
-                    return
-                master, values = self._items.popleft()
-            publish(master, values)
-            with self._cv:
-                self._bytes -= values.nbytes
-                self._cv.notify_all()
-
-
 @dataclass
 class _Work:
     sg: SubGroup
@@ -181,7 +140,20 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
         self._early: list[SubGroup] = []  # updated during this step's backward, in order
         self._early_options: list[dict] | None = None
         self._publishes: Handoff | None = None  # 16-bit copies, from the background thread
+        self._begun = False  # the store's step has begun (the first update of a step begins it)
         self.updated_in_backward = 0  # sub-groups updated during a backward, all steps (tests)
+        # Note [the update that runs into the next forward]
+        self._into_forward = False
+        self._sgs_of_unit: dict[int, list[int]] = {}  # MasterFiles unit -> its sub-groups
+        self._carried: set[int] = set()  # sub-groups step() left running, not updated yet
+        self._updated_now: set[int] = set()  # sub-groups updated in the background this step
+        self._carried_cv = threading.Condition()
+        self._ending: list[SubGroup] | None = None  # the step's sub-groups, until its end
+        self.updated_in_forward = 0  # sub-groups the next forward waited for or overlapped (tests)
+        self._forward: dict[int, None] = {}  # units in the order this step's passes gathered them
+        self._order: dict[int, int] = {}  # unit -> its place in the last forward
+        self._held: set[int] = set()  # sub-groups the backward leaves to the next forward
+        self._pace = Pace()
 
     # torch.optim.Optimizer.__init__ assigns `self.state`; the store owns it instead.
     @property
@@ -210,6 +182,8 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
         if closure is not None:
             raise ValueError("an offloaded optimizer takes no closure (the step may run on "
                              "another thread); compute the loss before calling step()")
+        if self._into_forward and self._carry_into_forward():
+            return
         early = self._join_early()
         done = {sg.index for sg in early}
         work = []
@@ -219,11 +193,7 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
                 work.append(_Work(sg, stepped, [p.grad for p in sg.params if p.grad is not None]))
         options = self._options()
         if early and not _same(options, self._early_options):
-            raise RuntimeError(
-                "the optimizer's hyperparameters changed between backward() and step(), after "
-                f"{len(early)} sub-groups had been updated during the backward with the old ones "
-                "(Note [the update during the backward]); set them before backward(), or set "
-                "zero_optimization.offload_optimizer.update_in_backward to false")
+            raise _changed(len(early))
         if self.runner is None:
             self._run(work, options, early)
         else:
@@ -241,16 +211,26 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
         if self._early_runner is not None:
             self._early_runner.wait(self._publish_handed_over)
             self._publish_handed_over()
+            self._end_carried_step()
 
     # -- Note [the update during the backward] ---------------------------------------------
-    def update_in_backward(self, files) -> None:
+    def update_in_backward(self, files, into_forward: bool = False) -> None:
         """Update each sub-group as soon as its gradients are in their files (`files`: the
         masters' MasterFiles); the engine turns this on where the step leaves the gradients
-        as they are (setup.update_in_backward_allowed)."""
+        as they are (setup.update_in_backward_allowed). `into_forward`: `step()` leaves the
+        updates not done yet running into the next forward, which waits for each unit's
+        (Note [the update that runs into the next forward])."""
         self._files = files
         self._early_runner = SerialRunner()
         # one sub-group's 16-bit values wait at most (the largest sub-group's, 2 B each)
         self._publishes = Handoff(2 * max((sg.numel for sg in self.sub_groups), default=0))
+        self._into_forward = into_forward
+        of_unit: dict[int, set[int]] = defaultdict(set)
+        for sg in self.sub_groups:
+            for p in sg.params:
+                if files.holds(p):
+                    of_unit[files.unit_index(p)].add(sg.index)
+        self._sgs_of_unit = {u: sorted(v) for u, v in of_unit.items()}
 
     def grads_landed(self, landed: set[int]) -> None:
         """The boundary backward's thread, after a unit's gradient went to its file: start the
@@ -259,31 +239,44 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
             return
         self._publish_handed_over()
         done = {sg.index for sg in self._early}
-        ready = [sg for sg in self.sub_groups if sg.index not in done and self._landed(sg, landed)]
+        ready = [sg for sg in self.sub_groups if sg.index not in done and sg.index not in self._held
+                 and self._landed(sg, landed)]
         if not ready:
             return
         if not self._early:
             self._early_options = self._options()
         self._early += ready
-        work = [_Work(sg, [p.requires_grad for p in sg.params], [None] * sum(p.requires_grad for p in sg.params))
-                for sg in ready]
-        self._early_runner.submit(self._run_early, work, self._early_options, len(self._early) == len(ready))
+        self._early_runner.submit(self._run_early, [self._from_file(sg) for sg in ready], self._early_options)
+
+    @staticmethod
+    def _from_file(sg: SubGroup) -> _Work:
+        """A sub-group's work whose gradients the store reads from their files."""
+        stepped = [p.requires_grad for p in sg.params]
+        return _Work(sg, stepped, [None] * sum(stepped))
 
     def _landed(self, sg: SubGroup, landed: set[int]) -> bool:
         files = self._files
         return any(p.requires_grad for p in sg.params) and all(
             files.holds(p) and files.unit_index(p) in landed for p in sg.params)
 
-    def _run_early(self, work: list[_Work], options: list[dict], first: bool) -> None:
+    def _run_early(self, work: list[_Work], options: list[dict]) -> None:
         store = self._state_store
         with torch.no_grad():
-            if first:
+            if not self._begun:
                 store.begin_step()
+                self._begun = True
             store.defer_publish = self._publishes.put
             try:
-                self._pipeline(work, options)
+                self._pipeline(work, options, self._updated)
             finally:
                 store.defer_publish = None
+
+    def _updated(self, sg: SubGroup) -> None:
+        """The background thread: `sg` is updated and its publishes handed over."""
+        with self._carried_cv:
+            self._updated_now.add(sg.index)
+            self._carried.discard(sg.index)
+            self._carried_cv.notify_all()
 
     def _publish_handed_over(self) -> None:
         self._publishes.drain(self._files.publish)
@@ -297,7 +290,110 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
         self._publish_handed_over()
         early, self._early = self._early, []
         self.updated_in_backward += len(early)
+        self._updated_now = set()
         return early
+
+    # -- Note [the update that runs into the next forward] -------------------------------------
+    def _carry_into_forward(self) -> bool:
+        """step() with the update during the backward: the sub-groups not updated yet are
+        queued in the order the next forward gathers their units, and step() returns; False
+        (the step then runs as without) when a sub-group's gradients are not all in files."""
+        self.finish_carried()  # (the last step's, when no forward ran since)
+        submitted = {sg.index for sg in self._early}
+        rest = [sg for sg in self.sub_groups if sg.index not in submitted
+                and any(p.grad is not None for p in sg.params)]
+        if any(not self._files.holds(p) for sg in rest for p in sg.params):
+            return False
+        options = self._options()
+        if self._early and not _same(options, self._early_options):
+            raise _changed(len(self._join_early()))
+        if not self._early:
+            self._early_options = options
+        self._order = {u: i for i, u in enumerate(self._forward)}
+        self._forward = {}
+        back = [item for work, _ in self._early_runner.take_back() for item in work]
+        carried = sorted(back + [self._from_file(sg) for sg in rest], key=self._forward_order)
+        self._held = self._to_hold()
+        everything = self._early + rest
+        self._early = []
+        with self._carried_cv:  # (a batch still running updates some that were not taken back)
+            self._carried = {sg.index for sg in everything} - self._updated_now
+        self.updated_in_backward += len(everything) - len(self._carried)
+        self.updated_in_forward += len(self._carried)
+        self._ending = everything
+        if carried:
+            self._early_runner.submit(self._run_early, carried, self._early_options)
+        return True
+
+    def _forward_order(self, item: _Work) -> int:
+        """Where the next forward first needs `item` (the first of its units it gathers)."""
+        units = {self._files.unit_index(p) for p in item.sg.params}
+        return min(self._order.get(u, len(self._order) + u) for u in units)
+
+    def _to_hold(self) -> set[int]:
+        """The sub-groups the next backward leaves to the forward after it: those of the units
+        that forward gathers last, as many as the disk can update in the forward's time
+        beyond its own reads (the last forward's, at the last step's disk throughput)."""
+        budget = self._pace.budget()
+        if budget <= 0 or not self._order:
+            return set()
+        held: set[int] = set()
+        units = sorted(self._order, key=self._order.get, reverse=True)
+        for u in units[:-1]:  # (never the first: the forward could not start)
+            extra = [i for i in self._sgs_of_unit.get(u, ()) if i not in held]
+            cost = sum(self.sub_groups[i].numel for i in extra) * UPDATE_BYTES
+            if cost > budget:
+                break
+            held.update(extra)
+            budget -= cost
+        return held
+
+    def before_gather(self, u: int, block: bool = True) -> bool:
+        """The unit `u` of the masters' files is about to be gathered: wait for the updates
+        of its sub-groups that step() left running, and write their publishes first. Not
+        `block`: whether it would not wait (publishing what is handed over meanwhile)."""
+        if block:
+            self._pace.gathered(again=u in self._forward)
+            self._forward.setdefault(u, None)
+        if self._ending is None:
+            return True
+        wanted = self._sgs_of_unit.get(u, ())
+        t = time.perf_counter()
+        while True:
+            self._publish_handed_over()
+            with self._carried_cv:
+                if not any(i in self._carried for i in wanted):
+                    break
+                if not block:
+                    return False
+                self._carried_cv.wait(0.05)
+            self._early_runner.check()
+        self._pace.waited(time.perf_counter() - t)
+        self._publish_handed_over()
+        if self._early_runner.idle():
+            self._end_carried_step()
+        return True
+
+    def finish_carried(self) -> None:
+        """Wait for every update step() left running and end that step (before anything
+        writes new gradients into the files those updates read)."""
+        if self._ending is None:
+            return
+        self._early_runner.wait(self._publish_handed_over)
+        self._publish_handed_over()
+        self._end_carried_step()
+
+    def _end_carried_step(self) -> None:
+        """All of a carried step's updates are done: end it (the store's write-back and the
+        next step's read-ahead), on the caller's thread (the runner is idle)."""
+        if self._ending is None:
+            return
+        self._early_runner.check()
+        ending, self._ending = self._ending, None
+        self._carried, self._updated_now = set(), set()
+        self._begun = False
+        # read ahead what the next backward updates first (not what it leaves to the forward)
+        self._state_store.finish_step([sg for sg in ending if sg.index not in self._held])
 
     def settle(self) -> None:
         """Wait for the step, and for the I/O it leaves running (Note [the step's I/O
@@ -309,15 +405,16 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
         """`early`: sub-groups this step already updated during the backward (then begun)."""
         store = self._state_store
         with torch.no_grad():  # grad mode is per thread: set it here, not only in step()
-            if not early:
+            if not self._begun:
                 store.begin_step()
             self._pipeline(work, options)
+            self._begun = False
             # the write-back drains behind the next forward, and the next step's first
             # sub-groups are read meanwhile (Note [the step's I/O outside the step] in state.py);
             # with updates during the backward, the next step starts where this one did
             store.finish_step(list(early) + [item.sg for item in work])
 
-    def _pipeline(self, work: list[_Work], options: list[dict]) -> None:
+    def _pipeline(self, work: list[_Work], options: list[dict], updated=None) -> None:
         """Swap in, update and write back `work`'s sub-groups, k+1's reads in flight while k
         is updated."""
         store = self._state_store
@@ -332,6 +429,8 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
                          store.step_tensors(item.sg, item.stepped), options,
                          store.step_grads(handle, item.stepped, item.grads))
             store.release(handle, item.stepped, state)
+            if updated is not None:
+                updated(item.sg)
             if nxt is not None and ahead is None:
                 ahead = store.prefetch(nxt.sg)
 
@@ -406,6 +505,14 @@ class OffloadOptimizer(torch.optim.Optimizer, Closeable):
 
 def _pick(values: list, idx: list[int]) -> list:
     return [values[j] for j in idx]
+
+
+def _changed(updated: int) -> RuntimeError:
+    return RuntimeError(
+        "the optimizer's hyperparameters changed between backward() and step(), after "
+        f"{updated} sub-groups had been updated during the backward with the old ones "
+        "(Note [the update during the backward]); set them before backward(), or set "
+        "zero_optimization.offload_optimizer.update_in_backward to false")
 
 
 def _same(a, b) -> bool:

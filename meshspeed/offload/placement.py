@@ -84,6 +84,10 @@ class OffloadPlacement(DevicePlacement):
         # the optimizer's grads_landed(landed unit indices), when it updates during the
         # backward (Note [the update during the backward] in optimizer.py)
         self.on_grads_landed = None
+        # the optimizer's updates that step() left running into the next forward: finished
+        # before gradients land again and before anything reads masters (Note [the update
+        # that runs into the next forward] in optimizer.py)
+        self.finish_updates = None
 
     def unit_built(self, zero, unit) -> None:
         """One unit is built: its masters go to their buffer or file and its stage-3 shard
@@ -178,7 +182,7 @@ class OffloadPlacement(DevicePlacement):
         accumulation boundary, so the copies overlap the rest of backward. A delayed
         update still reads last step's host gradients meanwhile: it copies at the step."""
         if self._grads_to_file(unit):
-            self.grad_files.land(unit)  # Note [gradients in their NVMe slot] in grad_files.py
+            self._land(unit)  # Note [gradients in their NVMe slot] in grad_files.py
             unit.grad_written()
             if self.on_grads_landed is not None:  # Note [the update during the backward]
                 self.on_grads_landed(self.grad_files.landed)
@@ -198,6 +202,11 @@ class OffloadPlacement(DevicePlacement):
     # `grad_shard` (safe_get_full_grad) see them in fp32. The next step's first reduction
     # allocates the 16-bit buffer again: one shard-sized block per unit per step, which
     # on the CPU is an mmap (Note [a fixed mmap threshold for CPU training]).
+
+    def _land(self, unit) -> None:
+        if self.finish_updates is not None:
+            self.finish_updates()  # (they read the files this overwrites)
+        self.grad_files.land(unit)
 
     def _grads_to_file(self, unit) -> bool:
         return (self.grad_files is not None and unit.grad_shard is not None
@@ -225,7 +234,7 @@ class OffloadPlacement(DevicePlacement):
         files = self.grad_files
         for unit in units:
             if self._grads_to_file(unit):  # (a unit whose reduction no hook reported)
-                files.land(unit)
+                self._land(unit)
                 unit.grad_written()
             if files is not None and files.has_landed(unit):
                 for s, m in zip(unit.spans, unit.masters):
@@ -280,6 +289,8 @@ class OffloadPlacement(DevicePlacement):
     def wait(self) -> None:
         if self.runner is not None:
             self.runner.wait()
+        if self.finish_updates is not None:
+            self.finish_updates()
 
     def published(self) -> None:
         self._published = True

@@ -11,6 +11,7 @@ Each is the identity when the config offloads nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -278,9 +279,19 @@ def enable_update_in_backward(cfg, mesh, optimizer, placement, experts) -> bool:
                 cfg.zero_optimization.offload_optimizer.update_in_backward:
             log.info("ZeRO-Infinity: the optimizer updates after the backward, not during it: %s", why)
         return False
-    optimizer.update_in_backward(placement.master_files)
+    files = placement.master_files
+    into_forward = cfg.zero_optimization.offload_optimizer.update_into_forward
+    optimizer.update_in_backward(files, into_forward=into_forward)
     placement.on_grads_landed = optimizer.grads_landed
+    if into_forward:  # Note [the update that runs into the next forward] in optimizer.py
+        placement.finish_updates = optimizer.finish_carried
+        for u, unit in enumerate(files.units):
+            unit.before_gather = functools.partial(_before_gather, optimizer, u)
     return True
+
+
+def _before_gather(optimizer, u: int, unit, block: bool) -> bool:
+    return optimizer.before_gather(u, block)
 
 
 def _rule(optimizer: torch.optim.Optimizer):

@@ -348,7 +348,12 @@ class SwapStore:
 
     def _start(self, sg: SubGroup, block: bool, grads: bool) -> _Handle | None:
         k = len(self.rule.state_keys)
-        buffers = self.pool.take(k + (self.masters is not None) + (self.grads is not None), block)
+        n = k + (self.masters is not None) + (self.grads is not None)
+        buffers = self.pool.take(n, block)
+        while buffers is None and block and self._early:
+            # what was read ahead for later holds the pool: the sub-group due now goes first
+            self._drop(self._early.pop(next(reversed(self._early))))
+            buffers = self.pool.take(n, block)
         if buffers is None:
             return None
         named = dict(zip(self.rule.state_keys, buffers))

@@ -26,12 +26,14 @@ MODEL = {"vocab_size": 256, "d_model": 64, "n_layer": 3, "n_head": 2}
 
 
 def _setup(nvme: str, *, precision: str = "bf16", world: int = 2, on: bool | None = True,
-           offload: bool = True, extra: dict | None = None) -> ParitySetup:
+           offload: bool = True, extra: dict | None = None, into_forward: bool | None = None) -> ParitySetup:
     zero = {"stage": 3, "sub_group_size": 20_000, "stage3_param_persistence_threshold": 0}
     if offload:
         oo = {"device": "nvme", "nvme_path": nvme, "buffer_count": 8}
         if on is not None:
             oo["update_in_backward"] = on
+        if into_forward is not None:
+            oo["update_into_forward"] = into_forward
         zero.update(offload_optimizer=oo,
                     offload_param={"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
                                    "buffer_size": 1 << 14})
@@ -47,6 +49,7 @@ def trained(s: ParitySetup) -> dict:
     opt = engine.optimizer
     out = {"losses": losses, "params": full_state_dict(engine),
            "early": getattr(opt, "updated_in_backward", 0),
+           "in_forward": getattr(opt, "updated_in_forward", 0),
            "sub_groups": len(getattr(opt, "sub_groups", ())) * s.steps}
     close(engine)
     return out
@@ -65,14 +68,22 @@ def _equal(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("precision,world", [("bf16", 2), ("fp32", 1)])
 def test_equal_to_the_update_at_step_and_to_no_offload(tmp_path, precision, world):
     setups = [_setup(str(tmp_path), precision=precision, world=world, on=on) for on in (None, False)]
+    setups.append(_setup(str(tmp_path), precision=precision, world=world, into_forward=False))
     setups.append(_setup(str(tmp_path), precision=precision, world=world, offload=False))
-    during, at_step, plain = run_distributed(trained_all, world_size=world, args=(setups,), timeout=300)[0]
-    # the default is on: most sub-groups go during the backward (those of the units whose
+    default, at_step, to_step, plain = run_distributed(trained_all, world_size=world, args=(setups,),
+                                                       timeout=300)[0]
+    # the default: every sub-group is updated in the background, during the backward or
+    # (those step() left running) into the next forward, which waited for them
+    assert default["early"] >= 1 and default["in_forward"] >= 1, default
+    assert default["early"] + default["in_forward"] == default["sub_groups"], default
+    # without the forward's part, most go during the backward (those of the units whose
     # gradients land last, the embedding's, wait for step())
-    assert during["early"] >= 0.5 * during["sub_groups"], (during["early"], during["sub_groups"])
-    assert at_step["early"] == 0
-    _equal(during, at_step)
-    _equal(during, plain)
+    assert to_step["early"] >= 0.5 * to_step["sub_groups"], (to_step["early"], to_step["sub_groups"])
+    assert to_step["in_forward"] == 0
+    assert at_step["early"] == 0 and at_step["in_forward"] == 0
+    _equal(default, at_step)
+    _equal(to_step, at_step)
+    _equal(default, plain)
 
 
 def off_and_why(s: ParitySetup, caplog_level=logging.INFO) -> tuple[int, list[str]]:
@@ -129,3 +140,43 @@ def test_hyperparameters_changed_between_backward_and_step_are_an_error(tmp_path
     err = run_distributed(lr_changed_after_backward, world_size=1, args=(_setup(str(tmp_path), world=1),),
                           timeout=300)[0]
     assert "changed between backward() and step()" in err and "update_in_backward" in err, err
+
+
+def read_right_after_step(s: ParitySetup, share: float | None) -> dict:
+    """Train, the last step's masters and moments read right after its step() (while the
+    updates it left running may still run), and the updates the forwards took."""
+    from meshspeed.parallel.access import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    engine = _engine(s)
+    opt = engine.optimizer
+    if share is not None:
+        opt._pace.share = share  # the backward leaves this much of the forward's time to the updates
+    losses = _train_batches(engine, s, make_batches(s))
+    named = list(engine.module.named_parameters())
+    out = {"losses": losses,
+           "masters": {n: safe_get_full_fp32_param(p).clone() for n, p in named},
+           "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg").clone() for n, p in named},
+           "in_forward": opt.updated_in_forward, "held": len(opt._held)}
+    out["params"] = full_state_dict(engine)
+    close(engine)
+    return out
+
+
+def read_all(args: list) -> list[dict]:
+    return [read_right_after_step(s, share) for s, share in args]
+
+
+def test_the_updates_step_leaves_running_are_waited_for(tmp_path):
+    """Masters, moments and parameters read right after step() are those of the update at
+    step(), whether the next forward takes a few updates or most (`share`: all but the
+    first unit's held back from the backward)."""
+    runs = [(_setup(str(tmp_path), on=False), None), (_setup(str(tmp_path)), None),
+            (_setup(str(tmp_path)), 100.0)]
+    at_step, default, most = run_distributed(read_all, world_size=2, args=(runs,), timeout=300)[0]
+    for run in (default, most):
+        assert run["losses"] == at_step["losses"]
+        for key in ("masters", "exp_avg", "params"):
+            differ = [k for k in at_step[key] if not torch.equal(at_step[key][k], run[key][k])]
+            assert not differ, (key, differ)
+    assert at_step["in_forward"] == 0
+    assert default["in_forward"] >= 1 and most["in_forward"] >= 1 and most["held"] >= 1, (default, most)

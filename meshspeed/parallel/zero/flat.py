@@ -177,6 +177,10 @@ class FlatUnit:
         self.secondary = SecondaryPartition(self.layout.padded_numel, groups.secondary, self.dtype, self.device) \
             if shard_params and groups.secondary is not None else None
         self._from_store = False  # the gather in flight read the shard from `shard_store`
+        # before_gather(unit, block) -> bool: called before the unit's shard is read for a
+        # gather, which the offloaded optimizer may still be writing (Note [the update that
+        # runs into the next forward]); it waits when `block`, else says whether it would
+        self.before_gather = None
         self._from_secondary = False  # ... or is hpZ's, inside the node group
         if grad_block is not None and keep_full_grads:
             raise ValueError(f"unit {name}: quantized gradient exchange (qgZ) needs stage 2 or 3")
@@ -235,6 +239,10 @@ class FlatUnit:
             p.data = view
         self.state = ParamState.WHOLE
 
+    def ready_to_gather(self) -> bool:
+        """Whether a gather would start now, without waiting for the shard's writer."""
+        return self.before_gather is None or self.before_gather(self, False)
+
     def gather_async(self, exact: bool = False) -> None:
         """Launch the all-gather (prefetch); `gather()` waits for it and exposes the views.
         Under qwZ (unless `exact`) it gathers every rank's encoded shard, one uint8
@@ -242,6 +250,8 @@ class FlatUnit:
         if self.state is not ParamState.SHARDED:
             raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
         self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+        if self.before_gather is not None:
+            self.before_gather(self, True)
         self.state = ParamState.GATHERING
         self._from_secondary = self.secondary is not None and self.secondary.fresh and \
             (self.quantizer is None or not exact)  # an exact gather under qwZ reads the shards
@@ -498,6 +508,8 @@ class FlatUnit:
             raise LifecycleError(f"unit {self.name}: masters written while its all-gather is in flight")
         if self.master_buffer is not None:
             self._write_shard(self.master_buffer)
+        if self.before_gather is not None:
+            self.before_gather(self, True)
         shard = self.shard if self.shard_store is None else self.shard_store.fetch(self)
         comm.all_gather_into_tensor(self.flat, shard, group=self.groups.shard)
         if self.shard_store is not None:

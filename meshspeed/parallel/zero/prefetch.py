@@ -97,6 +97,8 @@ class Fetcher:
                 continue
             if unit.layout.numel > budget or self.live_numel() + unit.layout.numel > self.max_live_numel:
                 break
+            if not unit.ready_to_gather():  # (its shard is still being updated: gathered when due)
+                break
             unit.gather_async()  # overlaps the running unit's compute
             budget -= unit.layout.numel
         self._note_peak()

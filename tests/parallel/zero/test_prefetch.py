@@ -113,6 +113,10 @@ class FakeUnit:
         self.shard_params = shard_params
         self.state = ParamState.SHARDED if shard_params else ParamState.WHOLE
         self.calls = calls
+        self.ready = True  # its shard's writer is done (ready_to_gather)
+
+    def ready_to_gather(self):
+        return self.ready
 
     def gather(self):
         self.calls.append(("gather", self.index))
@@ -180,6 +184,21 @@ def test_second_pass_prefetches_one_ahead():
     assert calls[-1] == ("gather", 2)  # nothing after the last unit
     fetcher.release(2)
     assert [c for c in calls if c[0] == "prefetch"] == [("prefetch", 1), ("prefetch", 2)]
+
+
+def test_a_unit_whose_shard_is_still_being_written_is_not_prefetched():
+    """(Note [the update that runs into the next forward]: a prefetch would wait for the
+    optimizer's update of its shard; the unit is gathered when it is due instead.)"""
+    fetcher, units, calls = make([10] * 4, max_ahead=3)
+    forward(fetcher, range(4))
+    calls.clear()
+    units[2].ready = False
+    fetcher.start(F)
+    fetcher.fetch(0, F)
+    assert calls == [("gather", 0), ("prefetch", 1)]  # stops at 2, so 3 is not fetched before it
+    units[2].ready = True
+    fetcher.fetch(1, F)
+    assert calls[2:] == [("gather", 1), ("prefetch", 2), ("prefetch", 3)]
 
 
 def test_max_ahead_bounds_the_units_prefetched():
