@@ -14,8 +14,9 @@ under `meshspeed.zero.Init` in bf16, ZeRO stage 3 with `offload_optimizer` and
 - `engine.memory_breakdown()` (categories and tiers) after the last step;
 - bytes of the swap files on disk (walked, not asked of the strategy);
 - loss and time per step;
-- at steady state (the mean over the steps after the first: a step's updates may run on
-  into the next forward), the bytes per step, the fraction of the step, and of its
+- at steady state (over the steps after the first: a step's updates may run on into the
+  next forward, Note [bytes per step with updates in the forward]), the bytes per step,
+  the fraction of the step, and of its
   forward+backward and optimizer phases, during which a swap request was in flight (the
   disk had work), and the bytes that went direct and through the page cache, with which
   files and why (`disk`).
@@ -206,13 +207,27 @@ def _step(engine, x, y, sampler, name: str) -> tuple[float, float, dict]:
     return float(mean) / comm.get_world_size(), dt, moved
 
 
+# Note [bytes per step with updates in the forward]
+# A step's updates may run on into the next forward (Note [the update that runs into the
+# next forward] in meshspeed/offload/optimizer.py): one step's counters then hold part of
+# the last step's work and leave part of their own to the next, by an amount that changes
+# from step to step. The bytes per step are therefore counted from the start of step 1 to
+# a `settle()` after the last step (which waits for the work it left), over the steps
+# after the first; that includes what step 0 left to step 1 (a few sub-groups: step 0
+# leaves none on purpose, it has not measured the pace yet), so it errs high, and the I/O
+# bound with it. The busy fraction is the mean over the same steps' own windows.
+
+
 def steady(r: dict) -> tuple[dict, float]:
-    """A rank's swap counters and seconds per step at steady state: the mean over the steps
-    after the first. (A step's updates may run on into the next forward, Note [the update
-    that runs into the next forward] in meshspeed/offload/optimizer.py, so one step's
-    counters hold part of the last one's work and leave part of their own to the next.)"""
+    """A rank's swap counters and seconds per step at steady state, over the steps after the
+    first: bytes from `io_steady` where the run has it, busy seconds and phases as the mean
+    of those steps' own windows (Note [bytes per step with updates in the forward])."""
     ios, times = r["io_bytes"][1:] or r["io_bytes"], r["step_s"][1:] or r["step_s"]
-    return {k: sum(io[k] for io in ios) / len(ios) for k in ios[0]}, sum(times) / len(times)
+    mean = {k: sum(io[k] for io in ios) / len(ios) for k in ios[0]}
+    for k, v in r.get("io_steady", {}).items():
+        if k != "busy_s":
+            mean[k] = v
+    return mean, sum(times) / len(times)
 
 
 def disk_report(ranks: list[dict]) -> dict:
@@ -237,7 +252,7 @@ def disk_report(ranks: list[dict]) -> dict:
 def run(args) -> dict:
     from meshspeed import comm
     from meshspeed.offload import close
-    from meshspeed.offload.aio import buffered_bytes
+    from meshspeed.offload.aio import buffered_bytes, io_totals
 
     torch.set_num_threads(args.threads)
     nvme = [tempfile.mkdtemp(prefix="infinity-", dir=p) for p in args.nvme_path.split(",")]
@@ -253,7 +268,10 @@ def run(args) -> dict:
         out["params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
         x, y = _batch(args, cfg, rank)
         losses, times, io = [], [], []
+        counted = None  # io_totals() when step 1 starts (Note [bytes per step with updates in the forward])
         for i in range(args.steps):
+            if i == 1:
+                counted = io_totals()
             why_before = buffered_bytes()
             loss, dt, moved = _step(engine, x, y, sampler, f"step{i}")
             why = buffered_bytes()  # the last step's: which bytes went through the page cache
@@ -266,6 +284,10 @@ def run(args) -> dict:
                 print(f"step {i}: loss {loss:.4f} {dt:.1f} s rss {rss_bytes() / 2**30:.2f} GiB "
                       f"read {moved['read'] / 1e9:.1f} GB written {moved['write'] / 1e9:.1f} GB",
                       file=sys.stderr, flush=True)
+        if counted is not None:  # the last step's updates left to a next forward, then counted
+            engine.optimizer.settle()
+            now = io_totals()
+            out["io_steady"] = {k: (now[k] - counted[k]) / (args.steps - 1) for k in now}
         sampler.phase("after")
         mem = engine.memory_breakdown()
         out["swap_bytes"] = swap_bytes(nvme)

@@ -60,6 +60,15 @@ state or gradient files waits for all of it first (`finish_carried`: the placeme
 `wait`, and before a gradient lands again), and the hyperparameters are those of step(),
 as for the updates during the backward. Off (`update_into_forward: false`), or when a
 sub-group has a gradient outside the files, step() waits for all the updates as before.
+What the backward leaves undone is left to chance as much as to the disk: where the
+updates keep up with the landings, little is, and the forward's disk idles again. So the
+backward also holds back, on purpose, the updates of the units the next forward gathers
+last (landed first, they would otherwise go first): as many as the disk can do in half
+the last forward's own seconds (`Pace` in background.py: its time without the waits for
+updates, at the disk's throughput over the last step). The forward reaches them last, so
+it waits for them least; a step leaves none to the forward before its first step() has
+measured both. The read-ahead after a step reads the sub-groups the next backward
+updates first, not the held ones.
 """
 
 from __future__ import annotations
