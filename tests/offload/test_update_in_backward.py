@@ -68,21 +68,21 @@ def _equal(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("precision,world", [("bf16", 2), ("fp32", 1)])
 def test_equal_to_the_update_at_step_and_to_no_offload(tmp_path, precision, world):
     setups = [_setup(str(tmp_path), precision=precision, world=world, on=on) for on in (None, False)]
-    setups.append(_setup(str(tmp_path), precision=precision, world=world, into_forward=False))
+    setups.append(_setup(str(tmp_path), precision=precision, world=world, into_forward=True))
     setups.append(_setup(str(tmp_path), precision=precision, world=world, offload=False))
-    default, at_step, to_step, plain = run_distributed(trained_all, world_size=world, args=(setups,),
+    default, at_step, forward, plain = run_distributed(trained_all, world_size=world, args=(setups,),
                                                        timeout=300)[0]
-    # the default: every sub-group is updated in the background, during the backward or
-    # (those step() left running) into the next forward, which waited for them
-    assert default["early"] >= 1 and default["in_forward"] >= 1, default
-    assert default["early"] + default["in_forward"] == default["sub_groups"], default
-    # without the forward's part, most go during the backward (those of the units whose
+    # the default is on: most sub-groups go during the backward (those of the units whose
     # gradients land last, the embedding's, wait for step())
-    assert to_step["early"] >= 0.5 * to_step["sub_groups"], (to_step["early"], to_step["sub_groups"])
-    assert to_step["in_forward"] == 0
+    assert default["early"] >= 0.5 * default["sub_groups"], (default["early"], default["sub_groups"])
+    assert default["in_forward"] == 0
     assert at_step["early"] == 0 and at_step["in_forward"] == 0
+    # update_into_forward: every sub-group is updated in the background, during the
+    # backward or (those step() left running) into the next forward, which waited for them
+    assert forward["early"] >= 1 and forward["in_forward"] >= 1, forward
+    assert forward["early"] + forward["in_forward"] == forward["sub_groups"], forward
     _equal(default, at_step)
-    _equal(to_step, at_step)
+    _equal(forward, at_step)
     _equal(default, plain)
 
 
@@ -167,11 +167,11 @@ def read_all(args: list) -> list[dict]:
 
 
 def test_the_updates_step_leaves_running_are_waited_for(tmp_path):
-    """Masters, moments and parameters read right after step() are those of the update at
-    step(), whether the next forward takes a few updates or most (`share`: all but the
-    first unit's held back from the backward)."""
-    runs = [(_setup(str(tmp_path), on=False), None), (_setup(str(tmp_path)), None),
-            (_setup(str(tmp_path)), 100.0)]
+    """With update_into_forward, masters, moments and parameters read right after step()
+    are those of the update at step(), whether the next forward takes a few updates or most
+    (`share`: all but the first unit's held back from the backward)."""
+    runs = [(_setup(str(tmp_path), on=False), None), (_setup(str(tmp_path), into_forward=True), None),
+            (_setup(str(tmp_path), into_forward=True), 100.0)]
     at_step, default, most = run_distributed(read_all, world_size=2, args=(runs,), timeout=300)[0]
     for run in (default, most):
         assert run["losses"] == at_step["losses"]
