@@ -6,6 +6,7 @@ import copy
 import gc
 import os
 import threading
+import time
 
 import torch
 
@@ -50,9 +51,18 @@ def runs_and_cleanup(setups: list[ParitySetup]) -> list:
     reads complete: join those threads first."""
     out = [engine_run(s) for s in setups]
     gc.collect()
-    for thread in threading.enumerate():
-        if thread.name == "meshspeed-offload-read-ahead":
-            thread.join()
+    # (a delayed update's background step may start one while we look: a thread just
+    # started cannot be joined yet, and one may start after the first look)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ahead = [t for t in threading.enumerate() if t.name == "meshspeed-offload-read-ahead"]
+        if not ahead:
+            break
+        for thread in ahead:
+            try:
+                thread.join(timeout=1.0)
+            except RuntimeError:  # started, not yet running
+                time.sleep(0.01)
     gc.collect()
     return out
 
