@@ -44,6 +44,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import cpu_time  # benchmarks/ joins sys.path above
 
 
 def rss_bytes() -> int:
@@ -187,23 +189,25 @@ def _step(engine, x, y, sampler, name: str) -> tuple[float, float, dict]:
     from meshspeed import comm
     from meshspeed.offload.aio import io_totals
 
-    before = io_totals()
+    before, cpu0 = io_totals(), cpu_time.cpu_seconds()
     t = time.perf_counter()
     sampler.phase(f"{name}.fwd_bwd")
     loss = engine(x, y)
     engine.backward(loss)
-    middle, t_mid = io_totals(), time.perf_counter()
+    middle, t_mid, cpu1 = io_totals(), time.perf_counter(), cpu_time.cpu_seconds()
     sampler.phase(f"{name}.optimizer")
     engine.step()
     t_end = time.perf_counter()
     dt = t_end - t
-    after = io_totals()
+    after, cpu2 = io_totals(), cpu_time.cpu_seconds()
     mean = loss.detach().float().clone()
     comm.all_reduce(mean)  # the global mean loss, the same on every rank
     moved = {k: after[k] - before[k] for k in after}
     moved.update({f"fwd_bwd.{k}": middle[k] - before[k] for k in after})
     moved.update({f"optimizer.{k}": after[k] - middle[k] for k in after})
     moved.update({"fwd_bwd.s": t_mid - t, "optimizer.s": t_end - t_mid})
+    moved["cpu"] = {"step": cpu_time.moved(cpu0, cpu2), "fwd_bwd": cpu_time.moved(cpu0, cpu1),
+                    "optimizer": cpu_time.moved(cpu1, cpu2)}  # run() keeps it apart from the bytes
     return float(mean) / comm.get_world_size(), dt, moved
 
 
@@ -228,6 +232,39 @@ def steady(r: dict) -> tuple[dict, float]:
         if k != "busy_s":
             mean[k] = v
     return mean, sum(times) / len(times)
+
+
+# Note [a step bound by the cores]
+# The disk-busy fraction says how much of the step the disk had work; what the rest of the
+# step waited for is the cores. Over a step, the process's CPU seconds (every thread:
+# forward and backward compute, the optimizer's Adam and copies, the swap engine's
+# threads, gloo) over the step's wall seconds times the machine's cores is how busy the
+# cores were with it. Near 1.0, the step is bound by the cores: the disk can only be busy
+# as much of the step as the disk's work is of the cores' (disk seconds / CPU-bound
+# seconds), however the two are overlapped, and less CPU work per step is what moves it.
+
+
+def cpu_report(ranks: list[dict], cores: int) -> dict:
+    """At steady state (the steps after the first), per rank: the fraction of the machine's
+    cores this process kept busy during the step and each phase (CPU seconds over wall
+    seconds times `cores`), and the CPU seconds per step of the threads that spent the
+    most (Note [a step bound by the cores] in benchmarks/infinity.py)."""
+    out: dict = {"cores": cores, "busy_fraction_per_rank": [], "fwd_bwd_busy_fraction_per_rank": [],
+                 "optimizer_busy_fraction_per_rank": [], "seconds_per_step_by_thread": []}
+    for r in ranks:
+        cpus, ios = r["cpu_s"][1:] or r["cpu_s"], r["io_bytes"][1:] or r["io_bytes"]
+        steps = r["step_s"][1:] or r["step_s"]
+        out["busy_fraction_per_rank"].append(
+            round(sum(c["step"]["total"] for c in cpus) / (sum(steps) * cores), 2))
+        for phase in ("fwd_bwd", "optimizer"):
+            wall = sum(io[f"{phase}.s"] for io in ios)
+            out[f"{phase}_busy_fraction_per_rank"].append(
+                round(sum(c[phase]["total"] for c in cpus) / max(wall * cores, 1e-9), 2))
+        names = {k for c in cpus for k in c["step"]}
+        per = {k: sum(c["step"].get(k, 0.0) for c in cpus) / len(cpus) for k in names}
+        out["seconds_per_step_by_thread"].append(
+            {k: round(v, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v >= 0.05})
+    return out
 
 
 def disk_report(ranks: list[dict]) -> dict:
@@ -267,7 +304,7 @@ def run(args) -> dict:
         out["settings"] = chosen_settings(engine)
         out["params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
         x, y = _batch(args, cfg, rank)
-        losses, times, io = [], [], []
+        losses, times, io, cpu = [], [], [], []
         counted = None  # io_totals() when step 1 starts (Note [bytes per step with updates in the forward])
         for i in range(args.steps):
             if i == 1:
@@ -279,6 +316,7 @@ def run(args) -> dict:
                                    if n != why_before.get(k, 0)}
             losses.append(loss)
             times.append(dt)
+            cpu.append(moved.pop("cpu"))
             io.append(moved)
             if rank == 0:
                 print(f"step {i}: loss {loss:.4f} {dt:.1f} s rss {rss_bytes() / 2**30:.2f} GiB "
@@ -299,7 +337,7 @@ def run(args) -> dict:
         if args.checkpoint_dir:
             out["checkpoint"] = {**saved, **_resume(args, cfg, x, y, sampler)}
             out["checkpoint"]["equal"] = out["checkpoint"]["loss_continued"] == out["checkpoint"]["loss_resumed"]
-    out.update(losses=losses, step_s=times, io_bytes=io, hwm=hwm_bytes(), sampled_peak=sampler.peak,
+    out.update(losses=losses, step_s=times, io_bytes=io, cpu_s=cpu, hwm=hwm_bytes(), sampled_peak=sampler.peak,
                phase_peaks=sampler.peaks, phase_seconds=sampler.seconds, memory_breakdown=mem)
     # the training peak: the largest phase other than build/initialize
     out["train_peak"] = max(v for k, v in sampler.peaks.items() if "build" not in k and "initialize" not in k)
@@ -477,6 +515,7 @@ def main() -> None:
                                     for io, _ in per_step],  # with --nvme-path A,B: rank r's on path r
         "disk_busy_fraction_per_rank": [round(b, 2) for b in busy],
         "disk": disk_report(ranks),
+        "cpu": cpu_report(ranks, os.cpu_count() or 1),
         "disk_gbs": {"read": bw_read / 1e9, "write": bw_write / 1e9},
         "matmul_tflops": flops / 1e12, "io_bound_s": io_bound, "compute_bound_s": compute_bound,
         "step_over_bound": step / max(io_bound, compute_bound),
