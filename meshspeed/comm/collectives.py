@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from meshspeed.comm import blocked, counter, debug, registry, rollcall, sequence
+from meshspeed.comm import blocked, counter, debug, local, registry, rollcall, sequence
 from meshspeed.comm.counter import ring_bytes
 
 ReduceOpLike = str | dist.ReduceOp
@@ -242,9 +242,9 @@ def _reduce_op(op: ReduceOpLike, group: Any, result: torch.Tensor) -> tuple[Any,
 
 
 def _average_after(work: Any, result: torch.Tensor, group: Any, divide: bool) -> Any:
-    if not divide:
-        return work
     n = get_world_size(group)
+    if not divide or n == 1:  # x / 1 is x
+        return work
     if work is None:
         result.div_(n)
         return None
@@ -278,7 +278,8 @@ def all_reduce(
         "all_reduce",
         nbytes,
         group,
-        lambda: dist.all_reduce(tensor, op=torch_op, group=group, async_op=async_op),
+        (lambda: local.done(tensor, async_op)) if local.alone(group, torch_op) else  # Note [a group of one]
+        (lambda: dist.all_reduce(tensor, op=torch_op, group=group, async_op=async_op)),
         tensor,
     )
     return _average_after(work, tensor, group, divide)
@@ -293,7 +294,8 @@ def all_gather_into_tensor(
         "all_gather",
         nbytes,
         group,
-        lambda: _all_gather_single(output, input, group=group, async_op=async_op),
+        (lambda: local.copy(output, input, async_op)) if local.alone(group) else  # Note [a group of one]
+        (lambda: _all_gather_single(output, input, group=group, async_op=async_op)),
         input,
         retain=output,
     )
@@ -329,7 +331,8 @@ def reduce_scatter_tensor(
         "reduce_scatter",
         nbytes,
         group,
-        lambda: _reduce_scatter_single(output, input, op=torch_op, group=group, async_op=async_op),
+        (lambda: local.copy(output, input, async_op)) if local.alone(group, torch_op) else  # Note [a group of one]
+        (lambda: _reduce_scatter_single(output, input, op=torch_op, group=group, async_op=async_op)),
         input,
         retain=output,
     )
