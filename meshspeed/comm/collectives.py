@@ -241,8 +241,8 @@ def _reduce_op(op: ReduceOpLike, group: Any, result: torch.Tensor) -> tuple[Any,
     return op, False
 
 
-def _average_after(work: Any, result: torch.Tensor, group: Any, divide: bool) -> Any:
-    n = get_world_size(group)
+def _average_after(work: Any, result: torch.Tensor, n: int, divide: bool) -> Any:
+    """Divide `result` by `n` (the group's size) after `work`, for "avg" on gloo."""
     if not divide or n == 1:  # x / 1 is x
         return work
     if work is None:
@@ -273,28 +273,28 @@ def all_reduce(
     if isinstance(group, (str, dist.ReduceOp)):
         group, op = (None if isinstance(op, (str, dist.ReduceOp)) else op), group
     torch_op, divide = _reduce_op(op, group, tensor)
-    nbytes = ring_bytes("all_reduce", _nbytes(tensor), get_world_size(group))
+    n = get_world_size(group)
     work = _issue(
         "all_reduce",
-        nbytes,
+        ring_bytes("all_reduce", _nbytes(tensor), n),
         group,
-        (lambda: local.done(tensor, async_op)) if local.alone(group, torch_op) else  # Note [a group of one]
+        (lambda: local.done(tensor, async_op)) if local.alone(n, torch_op) else  # Note [a group of one]
         (lambda: dist.all_reduce(tensor, op=torch_op, group=group, async_op=async_op)),
         tensor,
     )
-    return _average_after(work, tensor, group, divide)
+    return _average_after(work, tensor, n, divide)
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
     """Concatenate every rank's `input` along dim 0 into `output` (N times larger)."""
-    nbytes = ring_bytes("all_gather", _nbytes(output), get_world_size(group))
+    n = get_world_size(group)
     return _issue(
         "all_gather",
-        nbytes,
+        ring_bytes("all_gather", _nbytes(output), n),
         group,
-        (lambda: local.copy(output, input, async_op)) if local.alone(group) else  # Note [a group of one]
+        (lambda: local.copy(output, input, async_op)) if local.alone(n) else  # Note [a group of one]
         (lambda: _all_gather_single(output, input, group=group, async_op=async_op)),
         input,
         retain=output,
@@ -326,17 +326,17 @@ def reduce_scatter_tensor(
 ) -> Any:
     """Reduce `input` across ranks; rank r keeps the r-th of N equal dim-0 chunks in `output`."""
     torch_op, divide = _reduce_op(op, group, output)
-    nbytes = ring_bytes("reduce_scatter", _nbytes(input), get_world_size(group))
+    n = get_world_size(group)
     work = _issue(
         "reduce_scatter",
-        nbytes,
+        ring_bytes("reduce_scatter", _nbytes(input), n),
         group,
-        (lambda: local.copy(output, input, async_op)) if local.alone(group, torch_op) else  # Note [a group of one]
+        (lambda: local.copy(output, input, async_op)) if local.alone(n, torch_op) else  # Note [a group of one]
         (lambda: _reduce_scatter_single(output, input, op=torch_op, group=group, async_op=async_op)),
         input,
         retain=output,
     )
-    return _average_after(work, output, group, divide)
+    return _average_after(work, output, n, divide)
 
 
 def all_to_all_single(

@@ -8,7 +8,7 @@ is. Gloo still runs them on its worker threads, at about a tenth of a memcpy's s
 against 0.017 s for `copy_`, on the 2-core CI machine), and for ZeRO-3 at world 1 that
 is a whole copy of the model per gather and per gradient: 8.7 CPU seconds of a 2B
 model's 53 s step, on a machine whose two cores the forward and backward need. So
-collectives.py asks `alone(group)` first and, for a group of one, does the copy itself
+collectives.py asks `alone(size)` first and, for a group of one, does the copy itself
 (none when the output is the input, as when a shard is read into its own range of the
 gathered buffer), on the calling thread, and returns a work that is already complete.
 
@@ -31,9 +31,10 @@ _IDENTITY_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.R
                  dist.ReduceOp.PRODUCT, dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
 
 
-def alone(group: Any, op: Any = dist.ReduceOp.SUM) -> bool:
-    """Whether a collective on `group` with reduce op `op` is this process's alone."""
-    return op in _IDENTITY_OPS and dist.get_world_size(group) == 1
+def alone(size: int, op: Any = dist.ReduceOp.SUM) -> bool:
+    """Whether a collective on a group of `size` processes with reduce op `op` is this
+    process's alone."""
+    return size == 1 and op in _IDENTITY_OPS
 
 
 def copy(output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Any:
@@ -51,6 +52,6 @@ def done(result: torch.Tensor, async_op: bool) -> Any:
     """What the backend returns for a finished call: None, or a work already complete."""
     if not async_op:
         return None
-    future: torch.futures.Future = torch.futures.Future()
+    future = torch._C.Future([])  # (torch.futures.Future's own Python adds nothing here)
     future.set_result([result])
     return _create_work_from_future(future)

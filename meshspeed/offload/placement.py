@@ -304,6 +304,9 @@ class OffloadPlacement(DevicePlacement):
         pending = [] if self.grad_files is None else self.grad_files.host_tensors()
         return list(self._host_grads.values()) + pending
 
+    def grad_staging(self) -> list[torch.Tensor]:
+        return [] if self.grad_files is None else self.grad_files.staging_tensors()
+
     def param_staging(self) -> list[torch.Tensor]:
         """The shard store's staging pool and 16-bit writes in flight (counted as "params")."""
         out = [] if self.shard_store is None else self.shard_store.host_tensors([])
@@ -315,7 +318,7 @@ class OffloadPlacement(DevicePlacement):
         """Tensors that are host tier by placement (see meshspeed/offload/tiers.py)."""
         out = list(self._host) + (self.master_files.host_tensors() if self.master_files is not None else [])
         if self.grad_files is not None:
-            out += self.grad_files.host_tensors()
+            out += self.grad_files.host_tensors() + self.grad_files.staging_tensors()
         if self.shard_store is None:
             return out
         return out + self.shard_store.host_tensors([u for u in zero.units if u.shard_params])

@@ -168,3 +168,46 @@ def test_a_round_trip_through_the_files_is_the_in_memory_arithmetic(narrow, tmp_
         assert torch.equal(buf[b : b + n], expected(u, f, n, coef)), (u, f)
     assert torch.equal(files.read(units[0], 1000, 700), expected(0, 1000, 700, coef))
     files.close()
+
+
+def test_landing_reuses_its_buffers_within_the_bound_and_still_finds_inf_and_nan(tmp_path):
+    """Note [landing without fresh pages]: the write copies of equal-sized units are reused
+    once their writes are done, the copies pending and spare stay within max_pending_bytes
+    plus one, and the files hold the shards. The overflow check reads the norm first: a
+    finite norm means no inf or NaN; a norm that overflowed on finite values (1e30 squared)
+    does not count as an overflow, an inf or a NaN does."""
+    g = torch.Generator().manual_seed(1)
+    units = [_unit(torch.bfloat16, torch.randn(6000, generator=g), [(0, 2000), (2000, 4000)])
+             for _ in range(12)]
+    files = GradFiles(str(tmp_path), SwapEngine(), SimpleNamespace(units=units),
+                      max_pending_bytes=3 * 12288)
+    copies = set()
+    for unit in units:
+        files.land(unit)
+        copies.add(files._pending[-1][1].data_ptr())
+        held = sum(t.nbytes for _, t in files._pending) + sum(t.nbytes for t in files._spares)
+        assert held <= files.max_pending_bytes + 12288
+    files.wait()
+    assert len(copies) < len(units), "no write copy was reused"
+    assert not files.nonfinite
+    for unit in units:
+        assert torch.equal(files.read(unit, 0, 6000), unit.grad_shard.float())
+    files.reset()
+
+    def lands(values, dtype=torch.float32):
+        units[:] = [_unit(dtype, values, [(0, values.numel())])]
+        files._unit_index.clear()  # (a new unit object at index 0)
+        files.land(units[0])
+        found, files.nonfinite = files.nonfinite, False
+        files._norm.clear()
+        return found
+
+    big = torch.full((64,), 1e30)
+    assert lands(big) is False  # the norm is inf, every element finite
+    assert torch.isinf(torch.linalg.vector_norm(big))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        values = torch.ones(64)
+        values[17] = bad
+        assert lands(values) is True, bad
+        assert lands(values, torch.bfloat16) is True, bad
+    files.close()

@@ -132,6 +132,7 @@ def breakdown(s: ParitySetup, steps: int = 2) -> dict:
     _train(engine, s, steps)
     mem = engine.memory_breakdown()
     owned = sum(sl.end - sl.start for sl in engine.strategy.owned_slices() if sl.requires_grad)
+    grad_staging = sum(t.untyped_storage().nbytes() for t in engine.strategy.placement.grad_staging())
     files = 0
     swap_dirs = getattr(engine.strategy.placement, "swap_dirs", {})  # offloaded runs only
     swap_root = next((d.path for d in swap_dirs.values()), None)
@@ -139,7 +140,7 @@ def breakdown(s: ParitySetup, steps: int = 2) -> dict:
         for root, _, names in os.walk(swap_root):
             files += sum(os.path.getsize(os.path.join(root, n)) for n in names)
     close(engine)
-    return {"mem": mem, "owned": owned, "files": files, "swap_root": swap_root,
+    return {"mem": mem, "owned": owned, "files": files, "swap_root": swap_root, "grad_staging": grad_staging,
             "removed": swap_root is not None and not os.path.exists(swap_root)}
 
 

@@ -396,7 +396,8 @@ class FlatUnit:
         if self.groups.replicate is not None:
             comm.all_reduce(out, group=self.groups.replicate)
         self._reducing = False
-        out.div_(self.groups.divisor)
+        if self.groups.divisor != 1:  # (x / 1 is x: one pass over the shard less at world 1)
+            out.div_(self.groups.divisor)
         if direct:
             self.grad_shard = out
         elif self.grad_shard is None:

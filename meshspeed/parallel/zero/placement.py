@@ -75,6 +75,11 @@ class DevicePlacement:
         """Host buffers that stage parameter shards to and from files."""
         return []
 
+    def grad_staging(self) -> list[torch.Tensor]:
+        """Host buffers kept for staging gradients to files, holding no gradient between uses
+        (counted with the communication buffers)."""
+        return []
+
     def host_tensors(self, zero) -> list[torch.Tensor]:
         return []
 

@@ -454,7 +454,8 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOve
             # fp32 training: masters alias the params (or the stage-3 shard), nothing extra
             "master_params": [u.master_buffer for u in self.units if u.master_buffer is not None],
             "grads": [t for u in self.units for t in u.grad_tensors()] + self.placement.extra_grads(),
-            "comm_buffers": self.pool.tensors() + [t for u in self.units for t in u.comm_tensors()],
+            "comm_buffers": self.pool.tensors() + [t for u in self.units for t in u.comm_tensors()]
+            + self.placement.grad_staging(),
         }
 
     def host_tensors(self) -> list[torch.Tensor]:
