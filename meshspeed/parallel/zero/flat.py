@@ -135,6 +135,9 @@ class FlatUnit:
         # a swap file), set by the offload placement through `use_store`: fetch(unit) ->
         # shard on the device, done(unit) after the all-gather, write(unit, values).
         self.shard_store = None
+        # Freed flat buffers for the next gather (Note [gathered buffers without fresh pages]
+        # in flat_cache.py), shared by the strategy's units; None: resize as allocation
+        self.flat_cache = None
         # Where the fp32 masters go when they live in files (offload, Note [masters on NVMe]
         # in meshspeed/offload/masters.py): then `master_buffer` is None and
         # `master_sink(values)` receives the owned range after a change from outside.
@@ -249,9 +252,13 @@ class FlatUnit:
         payload each, which `gather()` decodes into the flat buffer."""
         if self.state is not ParamState.SHARDED:
             raise LifecycleError(f"unit {self.name}: prefetched while {self.state.value}")
-        self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
         if self.before_gather is not None:
-            self.before_gather(self, True)
+            self.before_gather(self, True)  # (before the buffer is taken: it may wait)
+        nbytes = self.layout.padded_numel * self.flat.element_size()
+        if self.flat_cache is None:
+            self.flat.untyped_storage().resize_(nbytes)
+        else:
+            self.flat_cache.fill(self.flat.untyped_storage(), nbytes)
         self.state = ParamState.GATHERING
         self._from_secondary = self.secondary is not None and self.secondary.fresh and \
             (self.quantizer is None or not exact)  # an exact gather under qwZ reads the shards
@@ -311,7 +318,10 @@ class FlatUnit:
         self.flat.untyped_storage().resize_(0)
 
     def _drop_full(self) -> None:
-        self.flat.untyped_storage().resize_(0)
+        if self.flat_cache is None:
+            self.flat.untyped_storage().resize_(0)
+        else:
+            self.flat_cache.empty(self.flat.untyped_storage())
         for p in self.params:
             p.data = self._placeholder
         self.state = ParamState.SHARDED

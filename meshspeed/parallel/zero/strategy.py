@@ -34,6 +34,7 @@ from meshspeed.parallel.zero import ds_params
 from meshspeed.parallel.zero.ds_params import PartitionView, ZeroParamStatus
 from meshspeed.parallel.zero.external import external_uses
 from meshspeed.parallel.zero.flat import FlatUnit, publish_all
+from meshspeed.parallel.zero.flat_cache import FlatCache, available
 from meshspeed.parallel.zero.grouping import GroupingPlan, bucket_units, module_units, split_experts
 from meshspeed.parallel.zero.groups import UnitGroups
 from meshspeed.parallel.zero.init_shards import full_numel, gather_partitioned, is_partitioned
@@ -130,6 +131,12 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOve
                 self.units.append(self._make_unit(u, comm_dtype))
                 self.placement.unit_built(self, self.units[-1])
                 bar.update()
+        self.flat_cache = None  # Note [gathered buffers without fresh pages] in flat_cache.py
+        if self.spec.shard_params and self.units and available(device):
+            self.flat_cache = FlatCache(max(u.layout.padded_numel * u.flat.element_size()
+                                            for u in self.units))
+            for unit in self.units:
+                unit.flat_cache = self.flat_cache
         self.master_of = {
             id(p): m for unit in self.units for p, m in zip(unit.params, unit.masters)
         }
@@ -325,6 +332,8 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOve
     # -- step -----------------------------------------------------------------------------
     def prepare_step(self) -> StepGradients:
         self._check_not_handed_over()
+        if self.flat_cache is not None:
+            self.flat_cache.clear()  # (Note [gathered buffers without fresh pages])
         self.placement.before_step(self)
         self.placement.attach_grads(self.units)
         # expert shards: distinct over edp (sharded) and over ep (other experts), so
@@ -348,6 +357,8 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOve
 
     def close(self) -> None:
         self.placement.close()
+        if self.flat_cache is not None:
+            self.flat_cache.clear()
 
     # -- checkpoint contract ----------------------------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:
@@ -455,7 +466,7 @@ class Zero(Strategy, ParameterOwner, ExternalParameters, GatheredCache, HandsOve
             "master_params": [u.master_buffer for u in self.units if u.master_buffer is not None],
             "grads": [t for u in self.units for t in u.grad_tensors()] + self.placement.extra_grads(),
             "comm_buffers": self.pool.tensors() + [t for u in self.units for t in u.comm_tensors()]
-            + self.placement.grad_staging(),
+            + self.placement.grad_staging() + ([] if self.flat_cache is None else self.flat_cache.tensors()),
         }
 
     def host_tensors(self) -> list[torch.Tensor]:
