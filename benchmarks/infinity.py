@@ -118,7 +118,8 @@ def ds_config(args, nvme: str) -> dict:
     zero = {"stage": 3,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.optimizer_in_cpu),
                                   **({} if args.update_in_backward else {"update_in_backward": False}),
-                                  **({"update_into_forward": True} if args.update_into_forward else {})},
+                                  **({} if args.update_into_forward is None
+                                     else {"update_into_forward": args.update_into_forward})},
             "offload_param": {"device": "nvme", "nvme_path": nvme, **_in_cpu(args.param_in_cpu)}}
     if not args.tutorial_config:
         zero.update(sub_group_size=args.sub_group_size, stage3_prefetch_bucket_size=args.prefetch,
@@ -447,9 +448,9 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--optimizer-in-cpu", type=float, default=None, help="offload_optimizer.max_in_cpu")
     ap.add_argument("--no-update-in-backward", dest="update_in_backward", action="store_false",
                     help="offload_optimizer.update_in_backward: false (the update waits for step())")
-    ap.add_argument("--update-into-forward", action="store_true",
+    ap.add_argument("--update-into-forward", action=argparse.BooleanOptionalAction, default=None,
                     help="offload_optimizer.update_into_forward: true (step() leaves the updates not "
-                         "done yet to the next forward)")
+                         "done yet to the next forward) or false (step() waits); unset: the default, true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count")
     ap.add_argument("--sample-ms", type=float, default=20)

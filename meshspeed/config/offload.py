@@ -61,10 +61,8 @@ class OffloadOptimizerConfig(_OffloadTarget):
     update_in_backward: bool = True
     # with update_in_backward: step() returns with the updates not done yet still running,
     # and the next forward waits for each unit's before gathering it (Note [the update that
-    # runs into the next forward] in offload/optimizer.py). Off by default: on this 2-core
-    # CPU machine it did not shorten the step (the forward's idle disk is the CPU's busy
-    # time there); false: step() waits for them all
-    update_into_forward: bool = False
+    # runs into the next forward] in offload/optimizer.py); false: step() waits for them all
+    update_into_forward: bool = True
 
 
 class OffloadParamConfig(_OffloadTarget):

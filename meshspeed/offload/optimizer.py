@@ -47,7 +47,7 @@ With the update during the backward, what the backward leaves undone is the upda
 units whose gradients land last, the first units of the model; step() used to wait for it
 while the disk had nothing else to do, and the next forward then read only the shards, a
 fraction of what the disk could move meanwhile (at 2B: 39% busy in the forward). With
-`update_into_forward` (off by default: see the end), step() queues the sub-groups not updated yet in the
+`update_into_forward` (on by default since it was measured faster: see the end), step() queues the sub-groups not updated yet in the
 order the next forward gathers their units (the first unit's first), and returns. Before
 a unit's shard is read for a gather, `before_gather` waits for the updates of the unit's
 sub-groups and writes their 16-bit publishes (the forward's thread owns the shard store, as
@@ -69,14 +69,16 @@ updates, at the disk's throughput over the last step). The forward reaches them 
 it waits for them least; a step leaves none to the forward before its first step() has
 measured both. The read-ahead after a step reads the sub-groups the next backward
 updates first, not the held ones.
-Why it is off by default: on the 2-core CPU machine this was measured on, it did not
-shorten the step. At 2B, world 1, over four pairs of runs the median step with it was
-within the runs' own spread of the median without it (50.5 against 50.0 s in the last
-pair), and the disk's busy fraction moved by a few points either way. There the forward's
-idle disk is the CPU's busy time: the updates the forward takes bring their CPU work (the
-gradients' widening, Adam, the 16-bit copies) into it, and it grows by what the backward
-loses. Where the forward computes elsewhere (an accelerator), that should not hold; it was
-not measured there.
+Measured (2B GPT, the ZeRO-Infinity tutorial's config, world 1, this 2-core CPU machine).
+First it did not pay: over four pairs of runs the median step with it was within the runs'
+own spread of the median without it (50.5 against 50.0 s at b044002). The forward's idle
+disk was the CPU's busy time then: the updates the forward takes bring their CPU work
+(the gradients' widening, Adam, the 16-bit copies) into it, and the cores were taken by
+gloo's copies at world 1 and by fresh-page faults (Note [a group of one] in
+comm/local.py, Note [landing without fresh pages] in grad_files.py, Note [gathered buffers
+without fresh pages] in parallel/zero/flat_cache.py). With those gone, the same pair
+measured 33.9 s with it against 40.5 s without (the disk busy 89% against 87% of the
+step), and it became the default. `update_into_forward: false` gives the step that waits.
 """
 
 from __future__ import annotations

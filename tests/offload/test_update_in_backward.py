@@ -68,21 +68,22 @@ def _equal(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("precision,world", [("bf16", 2), ("fp32", 1)])
 def test_equal_to_the_update_at_step_and_to_no_offload(tmp_path, precision, world):
     setups = [_setup(str(tmp_path), precision=precision, world=world, on=on) for on in (None, False)]
-    setups.append(_setup(str(tmp_path), precision=precision, world=world, into_forward=True))
+    setups.append(_setup(str(tmp_path), precision=precision, world=world, into_forward=False))
     setups.append(_setup(str(tmp_path), precision=precision, world=world, offload=False))
-    default, at_step, forward, plain = run_distributed(trained_all, world_size=world, args=(setups,),
-                                                       timeout=300)[0]
-    # the default is on: most sub-groups go during the backward (those of the units whose
-    # gradients land last, the embedding's, wait for step())
-    assert default["early"] >= 0.5 * default["sub_groups"], (default["early"], default["sub_groups"])
-    assert default["in_forward"] == 0
+    default, at_step, backward, plain = run_distributed(trained_all, world_size=world, args=(setups,),
+                                                        timeout=300)[0]
     assert at_step["early"] == 0 and at_step["in_forward"] == 0
-    # update_into_forward: every sub-group is updated in the background, during the
-    # backward or (those step() left running) into the next forward, which waited for them
-    assert forward["early"] >= 1 and forward["in_forward"] >= 1, forward
-    assert forward["early"] + forward["in_forward"] == forward["sub_groups"], forward
+    # update_into_forward: false: most sub-groups go during the backward (those of the units
+    # whose gradients land last, the embedding's, wait for step())
+    assert backward["early"] >= 0.5 * backward["sub_groups"], (backward["early"], backward["sub_groups"])
+    assert backward["in_forward"] == 0
+    # the default (update_into_forward): every sub-group is updated in the background,
+    # during the backward or (those step() left running) into the next forward, which
+    # waited for them
+    assert default["early"] >= 1 and default["in_forward"] >= 1, default
+    assert default["early"] + default["in_forward"] == default["sub_groups"], default
     _equal(default, at_step)
-    _equal(forward, at_step)
+    _equal(backward, at_step)
     _equal(default, plain)
 
 
