@@ -53,15 +53,18 @@ def test_hosts_are_apart_and_reach_each_other(tmp_path):
 def test_killing_a_host_kills_all_its_processes_and_it_boots_again(tmp_path):
     with Cluster(tmp_path, hosts=2) as cluster:
         h1 = cluster.hosts[1]
-        procs = [h1.popen(["sleep", "300"], env=ENV) for _ in range(3)]
+        # a duration no other process on the machine has (a plain `sleep 300` elsewhere, a
+        # developer's shell waiting on this very suite, failed the machine-wide check below)
+        seconds = f"300.{os.getpid()}"
+        procs = [h1.popen(["sleep", seconds], env=ENV) for _ in range(3)]
         deadline = time.monotonic() + 20
-        while sum("sleep 300" in p for p in h1.processes()) < 3:  # nsenter forks, then execs
+        while sum(f"sleep {seconds}" in p for p in h1.processes()) < 3:  # nsenter forks, then execs
             assert time.monotonic() < deadline, h1.processes()
             time.sleep(0.05)
         h1.kill()
         for p in procs:  # the nsenter wrappers return once their child is gone
             p.wait(timeout=20)
-        assert not any("sleep 300" in c for c in _machine_processes())
+        assert not any(f"sleep {seconds}" in c for c in _machine_processes())
         h1.boot()
         assert h1.run(["hostname"], env=ENV).stdout.strip() == "node1"
         assert h1.processes() == []
